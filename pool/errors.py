@@ -1,0 +1,113 @@
+"""The RolloutPool error tree, split by recovery boundary.
+
+::
+
+    RolloutPoolError
+    ├── LifecycleError                  the controller refused; the replica's state is unchanged
+    │   ├── IllegalTransition           this event is not accepted in this state
+    │   └── PostconditionFailed         the evidence does not prove the step's postcondition
+    ├── StoreError
+    │   ├── StoreUnavailable            Redis unreachable: admissions fail closed
+    │   ├── StoreConflict               a compare-and-set lost (state moved, stale fencing token)
+    │   │   └── StaleFencingToken       the writer no longer holds the updater lease
+    │   ├── AdmissionRefused            no admission on this replica (with a machine reason)
+    │   └── NotFound                    unknown replica / rollout / generation
+    ├── EngineError                     an operation on a vLLM server failed
+    │   ├── NoMutation                  proved: the engine's weights/caches were not touched
+    │   └── AmbiguousMutation           the engine may be half-changed → TAINTED
+    ├── DeadlineExceeded                a step overran its deadline (ambiguous for mutating steps)
+    └── PreflightFailed                 a checkpoint was refused before any mutation
+
+Router and updater subclass these; HTTP status codes are assigned only in their error middlewares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RolloutPoolError(Exception):
+    """Root of every error RolloutPool raises on purpose."""
+
+    code: str = "rolloutpool_error"
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready body: ``{"error": {"code", "message", ...context}}``."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        body.update({k: v for k, v in self.context.items() if v is not None})
+        return {"error": body}
+
+
+class LifecycleError(RolloutPoolError):
+    code = "lifecycle_error"
+
+
+class IllegalTransition(LifecycleError):
+    code = "illegal_transition"
+
+
+class PostconditionFailed(LifecycleError):
+    code = "postcondition_failed"
+
+
+class StoreError(RolloutPoolError):
+    code = "store_error"
+
+
+class StoreUnavailable(StoreError):
+    code = "store_unavailable"
+
+
+class StoreConflict(StoreError):
+    code = "store_conflict"
+
+
+class StaleFencingToken(StoreConflict):
+    code = "stale_fencing_token"
+
+
+class AdmissionRefused(StoreError):
+    """Admission to one replica was refused; ``reason`` is a stable machine-readable word."""
+
+    code = "admission_refused"
+
+    def __init__(self, reason: str, message: str | None = None, **context: Any) -> None:
+        super().__init__(message or f"admission refused: {reason}", reason=reason, **context)
+        self.reason = reason
+
+
+class NotFound(StoreError):
+    code = "not_found"
+
+
+class EngineError(RolloutPoolError):
+    """A vLLM control-plane call failed. Prefer the two subclasses, which say what is known."""
+
+    code = "engine_error"
+
+
+class NoMutation(EngineError):
+    """The call failed in a way that proves nothing was mutated (refused, never sent, 4xx)."""
+
+    code = "no_mutation"
+
+
+class AmbiguousMutation(EngineError):
+    """The call may have mutated the engine (timeout mid-call, 5xx during a transfer, death)."""
+
+    code = "ambiguous_mutation"
+
+
+class DeadlineExceeded(RolloutPoolError):
+    code = "deadline_exceeded"
+
+
+class PreflightFailed(RolloutPoolError):
+    """A checkpoint was refused before any mutation (missing path, manifest or identity)."""
+
+    code = "preflight_failed"

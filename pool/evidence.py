@@ -1,0 +1,216 @@
+"""Typed evidence for every external operation.
+
+Adapters (the vLLM engine client, transports, the store) produce these frozen values; the pure
+lifecycle controller (:mod:`pool.lifecycle`) consumes them and advances a replica only when the
+evidence *proves* the step's postcondition (see each class's ``proves_*`` property). Nothing here
+does I/O. Bare booleans never cross a module boundary where one of these fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pool.types import Generation
+
+
+class FailureKind(StrEnum):
+    NO_MUTATION = "no_mutation"  # proved: nothing changed; refuse and stay
+    AMBIGUOUS = "ambiguous"  # may have changed: TAINTED
+
+
+@dataclass(frozen=True)
+class PauseEvidence:
+    """``POST /pause?mode=...`` answered, then ``GET /is_paused`` was read back."""
+
+    mode: str
+    http_status: int
+    is_paused: bool
+    elapsed_s: float
+
+    @property
+    def proves_paused(self) -> bool:
+        return self.http_status == 200 and self.is_paused
+
+
+@dataclass(frozen=True)
+class ResumeEvidence:
+    """``POST /resume`` answered, then ``GET /is_paused`` was read back."""
+
+    http_status: int
+    is_paused: bool
+    elapsed_s: float = 0.0
+
+    @property
+    def proves_resumed(self) -> bool:
+        return self.http_status == 200 and not self.is_paused
+
+
+@dataclass(frozen=True)
+class DrainEvidence:
+    """Both drain observations I2 requires: the store's and the engine's."""
+
+    admissions_closed: bool  # the replica is not READY in the store (CAS committed)
+    active_bindings: int  # the store's active count for the replica
+    engine_paused: bool  # the engine reports itself paused (so drained of running work)
+    engine_running: int = 0  # vLLM's num_requests_running, where scraped
+
+    @property
+    def proves_quiesced(self) -> bool:
+        return (
+            self.admissions_closed
+            and self.active_bindings == 0
+            and self.engine_paused
+            and self.engine_running == 0
+        )
+
+
+@dataclass(frozen=True)
+class CacheResetEvidence:
+    """Results of the three cache resets; ``prefix`` is the body's ``success`` field."""
+
+    prefix: bool
+    multimodal: bool
+    encoder: bool
+    attempts: int = 1
+    detail: str = ""
+
+    @property
+    def proves_reset(self) -> bool:
+        return self.prefix and self.multimodal and self.encoder
+
+
+@dataclass(frozen=True)
+class TransferEvidence:
+    """A transport reported the new weights loaded. ``identity_digest`` is what was sent."""
+
+    transport: str
+    identity_digest: str
+    ok: bool
+    bytes: int = 0
+    elapsed_s: float = 0.0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LabelEvidence:
+    """The engine's weight-version label as read back (None where the server has no labels)."""
+
+    supported: bool
+    label: str | None
+
+
+@dataclass(frozen=True)
+class ValidationEvidence:
+    """Validation run while the engine is still paused.
+
+    ``label`` is None where the server has no labels (vLLM 0.26). ``probe_expected`` is the
+    reference output of the target checkpoint; ``probe_actual`` what the replica produced.
+    """
+
+    generation: Generation
+    label: LabelEvidence
+    probe_expected: tuple[int, ...]
+    probe_actual: tuple[int, ...]
+    detail: str = ""
+
+    @property
+    def label_ok(self) -> bool:
+        return (not self.label.supported) or self.label.label == self.generation.label
+
+    @property
+    def proves_valid(self) -> bool:
+        return (
+            self.label_ok
+            and len(self.probe_expected) > 0
+            and self.probe_expected == self.probe_actual
+        )
+
+
+@dataclass(frozen=True)
+class BootstrapEvidence:
+    """A (fresh) engine is up on ``generation``: it answered one real completion and validated."""
+
+    generation: Generation
+    identity_digest: str
+    engine_version: str
+    validation: ValidationEvidence | None = None
+    completion_ok: bool = False
+
+    @property
+    def proves_serving(self) -> bool:
+        valid = self.validation is None or (
+            self.validation.proves_valid and self.validation.generation == self.generation
+        )
+        return self.completion_ok and valid
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """A step failed. ``kind`` says whether mutation is ruled out (stay) or possible (TAINT)."""
+
+    step: str
+    kind: FailureKind
+    reason: str
+
+
+@dataclass(frozen=True)
+class DrainRequested:
+    """The updater asks a READY replica to move to ``target``; admissions close at the CAS."""
+
+    target: Generation
+    target_identity: str
+
+
+@dataclass(frozen=True)
+class TransferStarted:
+    """The updater is about to mutate weights (only legal from QUIESCED)."""
+
+    identity_digest: str
+
+
+@dataclass(frozen=True)
+class UpdateCancelled:
+    """The update was abandoned before any mutation; the engine was resumed on the old weights."""
+
+    resumed: ResumeEvidence | None  # None: the engine was never paused
+
+
+@dataclass(frozen=True)
+class RecoveryStarted:
+    """A TAINTED replica is being replaced by a fresh process."""
+
+    reason: str = ""
+
+
+Event = (
+    BootstrapEvidence
+    | DrainRequested
+    | DrainEvidence
+    | TransferStarted
+    | TransferEvidence
+    | CacheResetEvidence
+    | ValidationEvidence
+    | ResumeEvidence
+    | UpdateCancelled
+    | StepFailed
+    | RecoveryStarted
+)
+
+__all__ = [
+    "BootstrapEvidence",
+    "CacheResetEvidence",
+    "DrainEvidence",
+    "DrainRequested",
+    "Event",
+    "FailureKind",
+    "LabelEvidence",
+    "PauseEvidence",
+    "RecoveryStarted",
+    "ResumeEvidence",
+    "StepFailed",
+    "TransferEvidence",
+    "TransferStarted",
+    "UpdateCancelled",
+    "ValidationEvidence",
+]

@@ -1,0 +1,229 @@
+"""The replica lifecycle controller: pure, no I/O, no vLLM import.
+
+Rules of this module:
+
+* Everything that decides a transition lives here: the table :data:`TRANSITIONS` and the guards.
+* :func:`advance` is a pure function ``(Lifecycle, Event) -> Lifecycle``. It never mutates its
+  input; a refused event raises and the caller's value is simply still the current one.
+* A step advances only on evidence that proves its postcondition (``proves_*`` on the evidence
+  types). Evidence that does not prove it raises :class:`~pool.errors.PostconditionFailed` — for
+  instance a prefix-cache reset whose body said ``success: false``.
+* Failures are classified by :class:`~pool.evidence.StepFailed`: ``NO_MUTATION`` is refused and
+  leaves the state where it is (the caller may retry or cancel); ``AMBIGUOUS`` moves any state to
+  ``TAINTED`` (I4). ``TAINTED`` is left only through ``RECOVERING`` and a fresh bootstrap (I6).
+
+The happy path (invariants I2 and I3 fall out of it being the only path to a new generation)::
+
+    UNINITIALIZED --BootstrapEvidence--> READY --DrainRequested--> DRAINING
+    DRAINING --DrainEvidence--> QUIESCED --TransferStarted--> UPDATING
+    UPDATING --TransferEvidence--> INVALIDATING --CacheResetEvidence--> VALIDATING
+    VALIDATING --ValidationEvidence--> RESUMING --ResumeEvidence--> READY (target generation)
+    DRAINING | QUIESCED --UpdateCancelled--> READY (old generation)
+    * --StepFailed(AMBIGUOUS)--> TAINTED --RecoveryStarted--> RECOVERING
+    RECOVERING --BootstrapEvidence--> READY
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from pool.errors import IllegalTransition, PostconditionFailed
+from pool.evidence import (
+    BootstrapEvidence,
+    CacheResetEvidence,
+    DrainEvidence,
+    DrainRequested,
+    Event,
+    FailureKind,
+    RecoveryStarted,
+    ResumeEvidence,
+    StepFailed,
+    TransferEvidence,
+    TransferStarted,
+    UpdateCancelled,
+    ValidationEvidence,
+)
+from pool.types import Generation, ReplicaState
+
+S = ReplicaState
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """One replica's controller state.
+
+    ``generation``/``identity`` are what the replica serves (meaningful in READY; kept as "last
+    known" elsewhere, never trusted in TAINTED). ``target``/``target_identity`` are set from
+    DRAINING until the update ends.
+    """
+
+    state: ReplicaState = S.UNINITIALIZED
+    generation: Generation | None = None
+    identity: str | None = None
+    target: Generation | None = None
+    target_identity: str | None = None
+    reason: str = ""
+
+    @property
+    def admitting(self) -> bool:
+        return self.state is S.READY
+
+    @property
+    def mutable(self) -> bool:
+        """True only where I2 allows the weights to change."""
+        return self.state is S.UPDATING
+
+
+Guard = Callable[[Lifecycle, Event], Lifecycle]
+
+# state -> event type -> the next state. A missing entry is an IllegalTransition.
+TRANSITIONS: dict[ReplicaState, dict[type, ReplicaState]] = {
+    S.UNINITIALIZED: {BootstrapEvidence: S.READY},
+    S.READY: {DrainRequested: S.DRAINING},
+    S.DRAINING: {DrainEvidence: S.QUIESCED, UpdateCancelled: S.READY},
+    S.QUIESCED: {TransferStarted: S.UPDATING, UpdateCancelled: S.READY},
+    S.UPDATING: {TransferEvidence: S.INVALIDATING},
+    S.INVALIDATING: {CacheResetEvidence: S.VALIDATING},
+    S.VALIDATING: {ValidationEvidence: S.RESUMING},
+    S.RESUMING: {ResumeEvidence: S.READY},
+    S.TAINTED: {RecoveryStarted: S.RECOVERING},
+    S.RECOVERING: {BootstrapEvidence: S.READY},
+}
+
+
+def _refuse(lc: Lifecycle, event: Event, why: str) -> PostconditionFailed:
+    return PostconditionFailed(
+        f"{type(event).__name__} does not prove the postcondition in {lc.state}: {why}",
+        state=str(lc.state),
+        event=type(event).__name__,
+    )
+
+
+def _bootstrap(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, BootstrapEvidence)
+    if not ev.proves_serving:
+        raise _refuse(lc, ev, "no successful completion or validation failed")
+    return Lifecycle(S.READY, ev.generation, ev.identity_digest)
+
+
+def _drain_requested(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, DrainRequested)
+    cur = lc.generation
+    if cur is not None and ev.target.number <= cur.number:
+        raise _refuse(lc, ev, f"target g{ev.target.number} is not newer than g{cur.number}")
+    return replace(
+        lc, state=S.DRAINING, target=ev.target, target_identity=ev.target_identity, reason=""
+    )
+
+
+def _drained(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, DrainEvidence)
+    if not ev.proves_quiesced:
+        raise _refuse(
+            lc,
+            ev,
+            f"admissions_closed={ev.admissions_closed} active={ev.active_bindings} "
+            f"engine_paused={ev.engine_paused} engine_running={ev.engine_running}",
+        )
+    return replace(lc, state=S.QUIESCED)
+
+
+def _cancelled(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, UpdateCancelled)
+    if ev.resumed is not None and not ev.resumed.proves_resumed:
+        raise _refuse(lc, ev, "engine did not confirm resume")
+    return replace(lc, state=S.READY, target=None, target_identity=None, reason="cancelled")
+
+
+def _transfer_started(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, TransferStarted)
+    if ev.identity_digest != lc.target_identity:
+        raise _refuse(lc, ev, "transfer identity differs from the declared target")
+    return replace(lc, state=S.UPDATING)
+
+
+def _transferred(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, TransferEvidence)
+    if not ev.ok:
+        raise _refuse(lc, ev, f"transport reported failure: {ev.detail}")
+    if ev.identity_digest != lc.target_identity:
+        raise _refuse(lc, ev, "loaded identity differs from the declared target")
+    return replace(lc, state=S.INVALIDATING)
+
+
+def _reset(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, CacheResetEvidence)
+    if not ev.proves_reset:
+        raise _refuse(
+            lc, ev, f"prefix={ev.prefix} mm={ev.multimodal} encoder={ev.encoder} {ev.detail}"
+        )
+    return replace(lc, state=S.VALIDATING)
+
+
+def _validated(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, ValidationEvidence)
+    if ev.generation != lc.target:
+        raise _refuse(lc, ev, "validated a generation other than the target")
+    if not ev.proves_valid:
+        same = ev.probe_expected == ev.probe_actual
+        raise _refuse(lc, ev, f"label_ok={ev.label_ok} probe_matches={same} {ev.detail}")
+    return replace(lc, state=S.RESUMING)
+
+
+def _resumed(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, ResumeEvidence)
+    if not ev.proves_resumed:
+        raise _refuse(lc, ev, f"http={ev.http_status} is_paused={ev.is_paused}")
+    return Lifecycle(S.READY, lc.target, lc.target_identity)
+
+
+def _recovery(lc: Lifecycle, ev: Event) -> Lifecycle:
+    assert isinstance(ev, RecoveryStarted)
+    return replace(lc, state=S.RECOVERING, reason=ev.reason or lc.reason)
+
+
+GUARDS: dict[type, Guard] = {
+    BootstrapEvidence: _bootstrap,
+    DrainRequested: _drain_requested,
+    DrainEvidence: _drained,
+    UpdateCancelled: _cancelled,
+    TransferStarted: _transfer_started,
+    TransferEvidence: _transferred,
+    CacheResetEvidence: _reset,
+    ValidationEvidence: _validated,
+    ResumeEvidence: _resumed,
+    RecoveryStarted: _recovery,
+}
+
+
+def advance(lc: Lifecycle, event: Event) -> Lifecycle:
+    """Return the lifecycle after ``event``, or raise; ``lc`` itself is never changed.
+
+    Raises :class:`IllegalTransition` when the table has no entry for the event in this state,
+    :class:`PostconditionFailed` when the evidence does not prove the step, and also when a
+    ``NO_MUTATION`` failure is reported (refused: the caller stays, retries or cancels).
+    """
+    if isinstance(event, StepFailed):
+        if event.kind is FailureKind.AMBIGUOUS:
+            return replace(lc, state=S.TAINTED, reason=f"{event.step}: {event.reason}")
+        raise PostconditionFailed(
+            f"{event.step} failed without mutation in {lc.state}: {event.reason}",
+            state=str(lc.state),
+            step=event.step,
+        )
+    nxt = TRANSITIONS[lc.state].get(type(event))
+    if nxt is None:
+        raise IllegalTransition(
+            f"can't handle {type(event).__name__} in state {lc.state}",
+            state=str(lc.state),
+            event=type(event).__name__,
+        )
+    out = GUARDS[type(event)](lc, event)
+    assert out.state is nxt, (out.state, nxt)
+    return out
+
+
+def is_allowed(state: ReplicaState, event_type: type) -> bool:
+    """Whether the table accepts ``event_type`` in ``state`` (guards aside)."""
+    return event_type is StepFailed or event_type in TRANSITIONS[state]

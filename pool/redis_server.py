@@ -1,0 +1,119 @@
+"""Start and stop a local ``redis-server`` (tests, benchmarks and the embedded default pool).
+
+The server runs in its own process group with AOF persistence (``appendfsync everysec``) in a
+directory of the caller's choosing, so a restart on the same directory keeps its data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from pool.errors import RolloutPoolError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A ``redis-server`` child process on 127.0.0.1.
+
+    ``start()`` blocks until the server answers PING (or raises with its log tail);
+    ``stop()`` is idempotent. ``password`` enables ``requirepass``.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        port: int = 0,
+        password: str | None = None,
+        appendonly: bool = True,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.password = password
+        self.appendonly = appendonly
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "redis.log"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RolloutPoolError("redis-server not found: apt-get install -y redis-server")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            exe,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--logfile", str(self.log_path),
+            "--daemonize", "no",
+            *self.extra,
+        ]  # fmt: skip
+        if self.password:
+            argv += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            if self._ping():
+                return self
+            time.sleep(0.05)
+        tail = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+        self.stop()
+        raise RolloutPoolError(f"redis-server did not start on port {self.port}: {tail}")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                if self.password:
+                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    s.recv(64)
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,158 @@
+"""The pure lifecycle controller: table walk, postconditions, failure classification."""
+
+from __future__ import annotations
+
+import pytest
+
+from pool.errors import IllegalTransition, PostconditionFailed
+from pool.evidence import (
+    BootstrapEvidence,
+    CacheResetEvidence,
+    DrainEvidence,
+    DrainRequested,
+    FailureKind,
+    LabelEvidence,
+    RecoveryStarted,
+    ResumeEvidence,
+    StepFailed,
+    TransferEvidence,
+    TransferStarted,
+    UpdateCancelled,
+    ValidationEvidence,
+)
+from pool.lifecycle import TRANSITIONS, Lifecycle, advance, is_allowed
+from pool.types import Generation, ReplicaState
+
+S = ReplicaState
+G0, G1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
+PROBE = (5, 6, 7)
+
+
+def boot(gen: Generation = G0, ident: str = "id0") -> BootstrapEvidence:
+    return BootstrapEvidence(gen, ident, "0.32.0", completion_ok=True)
+
+
+def valid(gen: Generation = G1, actual: tuple[int, ...] = PROBE, label: str | None = "g1") -> ValidationEvidence:
+    return ValidationEvidence(gen, LabelEvidence(True, label), PROBE, actual)
+
+
+def happy_path() -> list[tuple[object, ReplicaState]]:
+    return [
+        (boot(), S.READY),
+        (DrainRequested(G1, "id1"), S.DRAINING),
+        (DrainEvidence(True, 0, True), S.QUIESCED),
+        (TransferStarted("id1"), S.UPDATING),
+        (TransferEvidence("reload", "id1", ok=True), S.INVALIDATING),
+        (CacheResetEvidence(True, True, True), S.VALIDATING),
+        (valid(), S.RESUMING),
+        (ResumeEvidence(200, False), S.READY),
+    ]
+
+
+def walk(upto: ReplicaState) -> Lifecycle:
+    lc = Lifecycle()
+    for ev, st in happy_path():
+        if lc.state is upto:
+            return lc
+        lc = advance(lc, ev)  # type: ignore[arg-type]
+        assert lc.state is st
+    return lc
+
+
+def test_happy_path_ends_ready_on_target() -> None:
+    lc = Lifecycle()
+    for ev, st in happy_path():
+        lc = advance(lc, ev)  # type: ignore[arg-type]
+        assert lc.state is st
+    assert lc.generation == G1 and lc.identity == "id1" and lc.target is None
+
+
+@pytest.mark.parametrize(
+    ("state", "bad"),
+    [
+        (S.DRAINING, DrainEvidence(True, 1, True)),  # a binding is still active
+        (S.DRAINING, DrainEvidence(True, 0, False)),  # engine not paused
+        (S.DRAINING, DrainEvidence(False, 0, True)),  # admissions not closed
+        (S.DRAINING, DrainEvidence(True, 0, True, engine_running=2)),
+        (S.QUIESCED, TransferStarted("other")),
+        (S.UPDATING, TransferEvidence("reload", "id1", ok=False)),
+        (S.UPDATING, TransferEvidence("reload", "wrong", ok=True)),
+        (S.INVALIDATING, CacheResetEvidence(False, True, True)),  # {"success": false}
+        (S.INVALIDATING, CacheResetEvidence(True, True, False)),
+        (S.VALIDATING, valid(actual=(5, 6, 8))),
+        (S.VALIDATING, valid(label="g0")),
+        (S.VALIDATING, valid(gen=Generation(number=2, label="g2"), label="g2")),
+        (S.RESUMING, ResumeEvidence(200, True)),
+        (S.RESUMING, ResumeEvidence(500, False)),
+    ],
+)
+def test_evidence_that_does_not_prove_is_refused(state: ReplicaState, bad: object) -> None:
+    lc = walk(state)
+    assert lc.state is state
+    with pytest.raises(PostconditionFailed):
+        advance(lc, bad)  # type: ignore[arg-type]
+    assert lc.state is state  # pure: the caller's value is unchanged
+
+
+def test_label_unsupported_on_026_still_needs_probe() -> None:
+    lc = walk(S.VALIDATING)
+    ok = ValidationEvidence(G1, LabelEvidence(False, None), PROBE, PROBE)
+    assert advance(lc, ok).state is S.RESUMING
+    with pytest.raises(PostconditionFailed):
+        advance(lc, ValidationEvidence(G1, LabelEvidence(False, None), (), ()))
+
+
+@pytest.mark.parametrize("state", list(S))
+def test_ambiguous_failure_taints_from_every_state(state: ReplicaState) -> None:
+    lc = Lifecycle(state=state, generation=G0)
+    out = advance(lc, StepFailed("transfer", FailureKind.AMBIGUOUS, "timeout"))
+    assert out.state is S.TAINTED and "timeout" in out.reason
+
+
+@pytest.mark.parametrize("state", [s for s in S if s is not S.TAINTED])
+def test_no_mutation_failure_stays(state: ReplicaState) -> None:
+    lc = Lifecycle(state=state, generation=G0)
+    with pytest.raises(PostconditionFailed):
+        advance(lc, StepFailed("preflight", FailureKind.NO_MUTATION, "bad shape"))
+
+
+def test_illegal_events_raise_and_table_is_complete() -> None:
+    events = [e for e, _ in happy_path()] + [UpdateCancelled(None), RecoveryStarted()]
+    for state in S:
+        for ev in events:
+            if is_allowed(state, type(ev)):
+                continue
+            with pytest.raises(IllegalTransition):
+                advance(Lifecycle(state=state, generation=G0), ev)  # type: ignore[arg-type]
+    assert set(TRANSITIONS) == set(S)
+
+
+def test_tainted_recovers_only_through_fresh_bootstrap() -> None:
+    lc = advance(walk(S.UPDATING), StepFailed("transfer", FailureKind.AMBIGUOUS, "hung"))
+    with pytest.raises(IllegalTransition):
+        advance(lc, ResumeEvidence(200, False))
+    with pytest.raises(IllegalTransition):
+        advance(lc, boot())
+    lc = advance(lc, RecoveryStarted("restart"))
+    assert lc.state is S.RECOVERING
+    with pytest.raises(PostconditionFailed):
+        advance(lc, BootstrapEvidence(G1, "id1", "0.32.0", completion_ok=False))
+    bad = BootstrapEvidence(G1, "id1", "0.32.0", validation=valid(actual=(1,)), completion_ok=True)
+    with pytest.raises(PostconditionFailed):
+        advance(lc, bad)
+    good = BootstrapEvidence(G1, "id1", "0.32.0", validation=valid(), completion_ok=True)
+    assert advance(lc, good).state is S.READY
+
+
+def test_cancel_returns_to_old_generation_only_after_resume() -> None:
+    lc = walk(S.QUIESCED)
+    with pytest.raises(PostconditionFailed):
+        advance(lc, UpdateCancelled(ResumeEvidence(200, True)))
+    out = advance(lc, UpdateCancelled(ResumeEvidence(200, False)))
+    assert out.state is S.READY and out.generation == G0 and out.target is None
+
+
+def test_drain_target_must_be_newer() -> None:
+    lc = walk(S.READY)
+    with pytest.raises(PostconditionFailed):
+        advance(lc, DrainRequested(G0, "id0"))

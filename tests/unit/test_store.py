@@ -1,0 +1,259 @@
+"""The Redis store against a real ``redis-server`` (started by the session fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from pool.errors import (
+    AdmissionRefused,
+    NotFound,
+    StaleFencingToken,
+    StoreConflict,
+    StoreUnavailable,
+)
+from pool.redis_server import free_port
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from pool.types import BindingState, Generation, GenerationRecord, ReplicaState, WeightIdentity
+
+S = ReplicaState
+G0, G1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
+
+
+def ident(step: int) -> WeightIdentity:
+    return WeightIdentity(manifest_digest="sha256:m", checkpoint_uri=f"/ckpt/{step}", step=step)
+
+
+async def ready_replica(store: RedisStore, token: int, rid: str = "r0", capacity: int = 64) -> None:
+    await store.register_replica(rid, f"http://{rid}", token, capacity=capacity)
+    await store.transition(
+        rid, token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="id0", publish=True
+    )
+
+
+def test_identity_distinguishes_checkpoints_of_one_architecture() -> None:
+    a, b = ident(1), ident(2)
+    assert a.manifest_digest == b.manifest_digest
+    assert a.digest != b.digest
+    assert ident(1).digest == a.digest
+
+
+async def test_admit_release_and_provenance(store: RedisStore) -> None:
+    lease = store.updater_lease()
+    token = await lease.acquire()
+    await ready_replica(store, token)
+    assert await store.latest() == (G0, "id0")
+    adm = await store.admit("ro1", "r0")
+    assert (adm.generation, adm.label, adm.identity_digest) == (0, "g0", "id0")
+    assert (await store.replica("r0")).active == 1
+    assert await store.release("ro1", "r0", prompt_tokens=3, completion_tokens=7)
+    assert not await store.release("ro1", "r0")  # idempotent
+    b = await store.binding("ro1")
+    assert b.state is BindingState.FINISHED and b.completion_tokens == 7 and b.finished_ms
+    assert (await store.replica("r0")).active == 0
+    types = [e.type for e in await store.journal()]
+    assert types == ["register", "transition", "publish", "admit", "release"]
+    with pytest.raises(NotFound):
+        await store.release("nope", "r0")
+    with pytest.raises(StoreConflict):
+        await store.release("ro1", "r1")
+
+
+async def test_admission_refusals_name_their_reason(store: RedisStore) -> None:
+    token = await store.updater_lease().acquire()
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("x", "ghost")
+    assert e.value.reason == "unknown_replica"
+    await store.register_replica("r0", "http://r0", token, capacity=1)
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("x", "r0")
+    assert e.value.reason == "not_ready"
+    await store.transition("r0", token, S.UNINITIALIZED, S.READY, generation=G0, publish=True)
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("x", "r0", min_generation=1)
+    assert e.value.reason == "below_min_generation"
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("x", "r0", generation=3)
+    assert e.value.reason == "generation_mismatch"
+    await store.admit("x", "r0")
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("x", "r0")
+    assert e.value.reason == "duplicate_rollout"
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("y", "r0")
+    assert e.value.reason == "at_capacity"
+    assert e.value.to_dict()["error"]["reason"] == "at_capacity"
+
+
+async def test_staleness_after_publish(store: RedisStore) -> None:
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token, "r0")
+    await ready_replica(store, token, "r1")
+    await store.declare_generation(GenerationRecord(generation=G1, identity=ident(1)), token)
+    await store.begin_drain("r1", token, G1, "id1")
+    for a, b in [(S.DRAINING, S.QUIESCED), (S.QUIESCED, S.UPDATING), (S.UPDATING, S.INVALIDATING),
+                 (S.INVALIDATING, S.VALIDATING), (S.VALIDATING, S.RESUMING)]:
+        await store.transition("r1", token, a, b)
+    await store.admit("before", "r0")  # g0 still latest
+    await store.transition(
+        "r1", token, S.RESUMING, S.READY, generation=G1, identity_digest="id1", publish=True
+    )
+    assert await store.latest() == (G1, "id1")
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("after", "r0")  # max_staleness=0: r0 stops admitting at publish
+    assert e.value.reason == "stale_generation"
+    assert (await store.admit("stale-ok", "r0", max_staleness=1)).generation == 0
+    assert (await store.admit("fresh", "r1")).generation == 1
+    r1 = await store.replica("r1")
+    assert (r1.generation, r1.label, r1.identity_digest) == (1, "g1", "id1")
+
+
+async def test_quiesce_and_update_refused_with_active_bindings(store: RedisStore) -> None:
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    await store.admit("busy", "r0")
+    assert await store.begin_drain("r0", token, G1, "id1") == 1
+    with pytest.raises(AdmissionRefused):
+        await store.admit("late", "r0")
+    with pytest.raises(StoreConflict) as e:
+        await store.transition("r0", token, S.DRAINING, S.QUIESCED)
+    assert e.value.context["active"] == 1
+    await store.release("busy", "r0")
+    assert await store.transition("r0", token, S.DRAINING, S.QUIESCED) == 0
+    with pytest.raises(StoreConflict):  # CAS: the state is no longer DRAINING
+        await store.transition("r0", token, S.DRAINING, S.QUIESCED)
+
+
+async def test_fencing_rejects_a_stale_updater(store: RedisStore) -> None:
+    old = store.updater_lease("old")
+    t_old = await old.acquire()
+    await ready_replica(store, t_old)
+    await old.release()
+    new = store.updater_lease("new")
+    t_new = await new.acquire(blocking_timeout_s=1)
+    assert t_new > t_old
+    with pytest.raises(StaleFencingToken):
+        await store.begin_drain("r0", t_old, G1, "id1")
+    with pytest.raises(StaleFencingToken):
+        await store.declare_generation(GenerationRecord(generation=G1, identity=ident(1)), t_old)
+    await store.begin_drain("r0", t_new, G1, "id1")
+    assert (await store.replica("r0")).fence == t_new
+
+
+async def test_second_updater_waits_on_the_lease(store_settings: StoreSettings) -> None:
+    settings = store_settings.model_copy(update={"updater_lease_s": 0.5})
+    store = RedisStore.connect(settings)
+    try:
+        first = store.updater_lease("a")
+        await first.acquire()
+        second = store.updater_lease("b")
+        with pytest.raises(StoreConflict):
+            await second.acquire(blocking_timeout_s=0.2)
+        # the first stops renewing (crashed): its lease expires and the second gets in
+        t2 = await second.acquire(blocking_timeout_s=3)
+        with pytest.raises(StaleFencingToken):
+            await first.extend()
+        assert t2 == second.require()
+    finally:
+        await store.close()
+
+
+async def test_taint_needs_no_lease_and_closes_admissions(store: RedisStore) -> None:
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    assert await store.taint("r0", "weight_versions mismatch", source="router") is S.READY
+    with pytest.raises(AdmissionRefused):
+        await store.admit("x", "r0")
+    with pytest.raises(StoreConflict):
+        await store.transition("r0", token, S.READY, S.DRAINING)
+
+
+async def test_reaper_aborts_orphans_once(store: RedisStore) -> None:
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    await store.admit("orphan", "r0", lease_s=0.05)
+    await store.admit("alive", "r0", lease_s=30)
+    await asyncio.sleep(0.1)
+    reaped = await asyncio.gather(store.reap_expired(), store.reap_expired())
+    assert sorted(reaped[0] + reaped[1]) == ["orphan"]
+    b = await store.binding("orphan")
+    assert b.state is BindingState.ABORTED and b.reason == "lease expired"
+    assert await store.active_rollouts("r0") == {"alive"}
+    with pytest.raises(NotFound):
+        await store.touch("orphan")
+    exp = await store.touch("alive", requests=1, completion_tokens=5, lease_s=60)
+    assert exp > b.created_ms
+    assert (await store.binding("alive")).completion_tokens == 5
+
+
+async def test_declare_generation_is_write_once_and_monotonic(store: RedisStore) -> None:
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    rec = GenerationRecord(generation=G1, identity=ident(1))
+    assert await store.declare_generation(rec, token)
+    assert not await store.declare_generation(rec, token)
+    with pytest.raises(StoreConflict):
+        await store.declare_generation(GenerationRecord(generation=G1, identity=ident(9)), token)
+    with pytest.raises(StoreConflict):
+        await store.declare_generation(GenerationRecord(generation=G0, identity=ident(0)), token)
+    assert (await store.generation_record(1)).identity == ident(1)
+
+
+async def test_admissions_fail_closed_when_redis_is_unreachable() -> None:
+    store = RedisStore.connect(
+        StoreSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.5)
+    )
+    try:
+        with pytest.raises(StoreUnavailable) as e:
+            await store.admit("x", "r0")
+        assert "unreachable" in e.value.message
+    finally:
+        await store.close()
+
+
+async def test_no_admission_lands_after_the_drain_cas(store: RedisStore) -> None:
+    """Many tasks admit while a drain commits: zero admissions after the CAS (journal order)."""
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token, capacity=100_000)
+    admitted: list[str] = []
+    stop = asyncio.Event()
+
+    async def admitter(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            rid = f"c{i}-{n}"
+            n += 1
+            try:
+                await store.admit(rid, "r0")
+                admitted.append(rid)
+            except AdmissionRefused as e:
+                assert e.reason == "not_ready"
+                return
+
+    tasks = [asyncio.create_task(admitter(i)) for i in range(32)]
+    await asyncio.sleep(0.05)
+    await store.begin_drain("r0", token, G1, "id1")
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    stop.set()
+    entries = await store.journal()
+    cas = next(i for i, e in enumerate(entries) if e.fields.get("to") == "DRAINING")
+    after = [e for e in entries[cas:] if e.type == "admit"]
+    assert admitted and after == []
+    assert len([e for e in entries if e.type == "admit"]) == len(admitted)
+    assert await store.active_rollouts("r0") == set(admitted)
+
+
+async def test_unique_namespaces_isolate(redis_server) -> None:  # type: ignore[no-untyped-def]
+    a = RedisStore.connect(StoreSettings(url=redis_server.url, namespace=uuid.uuid4().hex[:8]))
+    b = RedisStore.connect(StoreSettings(url=redis_server.url, namespace=uuid.uuid4().hex[:8]))
+    try:
+        token = await a.updater_lease().acquire()
+        await ready_replica(a, token)
+        assert await b.replicas() == []
+        assert [r.replica_id for r in await a.replicas()] == ["r0"]
+    finally:
+        await a.close()
+        await b.close()
