@@ -1,0 +1,177 @@
+"""Read a safetensors checkpoint directory's parameter manifest without torch.
+
+A safetensors file starts with an 8-byte little-endian unsigned length ``N``, followed by ``N``
+bytes of JSON: ``{"<tensor name>": {"dtype": "F32", "shape": [..], "data_offsets": [a, b]},
+..., "__metadata__": {...}}``. Only that header is read, so a manifest of a multi-gigabyte
+checkpoint costs a few kilobytes of I/O.
+
+Sharded checkpoints (``model-00001-of-00002.safetensors`` + ``model.safetensors.index.json``)
+are supported: when an index file exists, exactly the shards it names are read; otherwise every
+``*.safetensors`` file in the directory is. A tensor that appears in two shards is an error.
+
+Everything here raises :class:`CheckpointError` (a :class:`~pool.errors.PreflightFailed`) for an
+unreadable or malformed checkpoint: refusing a checkpoint never mutates anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from pool.errors import PreflightFailed
+from pool.types import Manifest, TensorSpec
+
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "CheckpointError",
+    "content_hash",
+    "read_header",
+    "read_manifest",
+    "safetensors_files",
+]
+
+#: safetensors dtype tag -> torch attribute name (``getattr(torch, name)``).
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+}
+
+#: Headers larger than this are refused (the format's own readers use 100 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(PreflightFailed):
+    """The checkpoint directory is missing, unreadable or not valid safetensors."""
+
+    code = "checkpoint_error"
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The safetensors files that make up the checkpoint in ``directory``, sorted by name.
+
+    With ``model.safetensors.index.json`` present, the shards named in its ``weight_map``
+    (each must exist); otherwise every ``*.safetensors`` file. Raises :class:`CheckpointError`
+    if the directory does not exist or holds no safetensors file.
+    """
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"checkpoint directory does not exist: {directory}", path=str(directory)
+        )
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"unreadable index {index}: {e}", path=str(directory)) from e
+        files = [directory / n for n in names]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"index {INDEX_FILE} names missing shards: {missing}", path=str(directory)
+            )
+    else:
+        files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise CheckpointError(f"no *.safetensors file in {directory}", path=str(directory))
+    return files
+
+
+def read_header(file: Path) -> dict[str, Any]:
+    """The parsed JSON header of one safetensors file (``__metadata__`` included).
+
+    Reads ``8 + N`` bytes. Raises :class:`CheckpointError` on a short file, an absurd header
+    length, or a header that is not a JSON object.
+    """
+    try:
+        with file.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise CheckpointError(f"{file}: too short for a safetensors header", path=str(file))
+            (n,) = struct.unpack("<Q", raw_len)
+            if n <= 1 or n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{file}: implausible header length {n}", path=str(file))
+            blob = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read: {e}", path=str(file)) from e
+    if len(blob) != n:
+        raise CheckpointError(
+            f"{file}: header truncated ({len(blob)} of {n} bytes)", path=str(file)
+        )
+    try:
+        header = json.loads(blob)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file}: header is not JSON: {e}", path=str(file)) from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: header is not a JSON object", path=str(file))
+    return header
+
+
+def _spec(file: Path, name: str, entry: Any) -> TensorSpec:
+    if not isinstance(entry, dict) or "dtype" not in entry or "shape" not in entry:
+        raise CheckpointError(f"{file}: malformed entry for tensor {name!r}", path=str(file))
+    tag = entry["dtype"]
+    dtype = SAFETENSORS_DTYPES.get(tag)
+    if dtype is None:
+        raise CheckpointError(f"{file}: tensor {name!r} has unknown dtype {tag!r}", path=str(file))
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CheckpointError(f"{file}: tensor {name!r} has bad shape {shape!r}", path=str(file))
+    return TensorSpec(name=name, shape=tuple(shape), dtype=dtype)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The :class:`~pool.types.Manifest` (names, shapes, torch dtype names) of a checkpoint.
+
+    Reads only headers. Raises :class:`CheckpointError` for a missing directory, no safetensors
+    files, a malformed header, an unknown dtype, or a tensor name present in two shards.
+    """
+    specs: dict[str, TensorSpec] = {}
+    for file in safetensors_files(directory):
+        for name, entry in read_header(file).items():
+            if name == "__metadata__":
+                continue
+            if name in specs:
+                raise CheckpointError(
+                    f"tensor {name!r} appears in more than one shard (again in {file.name})",
+                    path=str(directory),
+                )
+            specs[name] = _spec(file, name, entry)
+    return Manifest.of(specs.values())
+
+
+def content_hash(directory: Path, chunk_bytes: int = 1 << 20) -> str:
+    """``sha256:<hex>`` over the checkpoint's safetensors files (names and bytes), streamed.
+
+    Files are taken in :func:`safetensors_files` order; each contributes its name, its length
+    and its bytes, so renaming or re-sharding changes the hash. Cost: one full read of the
+    weights. Raises :class:`CheckpointError` if the directory is not a checkpoint.
+    """
+    h = hashlib.sha256()
+    for file in safetensors_files(directory):
+        size = file.stat().st_size
+        h.update(f"{file.name}\0{size}\0".encode())
+        with file.open("rb") as f:
+            while chunk := f.read(chunk_bytes):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()

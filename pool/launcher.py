@@ -1,0 +1,366 @@
+"""Start and stop local vLLM replicas (one OS process group each).
+
+:class:`ReplicaSpec` says what to run; :meth:`ReplicaSpec.command` turns it into an argv and an
+environment without side effects (pure, unit-testable). :class:`LocalReplica` runs it:
+
+* ``await start()`` spawns the server in its own session/process group (so the API server,
+  EngineCore and worker processes can be signalled together), logs stdout+stderr to
+  ``<work_dir>/server.log``, then polls ``GET /health`` **and** one tiny greedy completion
+  (``max_tokens=1``) until both succeed or the startup deadline passes. ``/health`` alone is not
+  trusted: it answers 200 before the engine has run a request, and some engines die on their
+  first one (the eager-bf16 SIGILL in ``reference/vllm-cpu.md`` §8). On any failure the process
+  group is killed and :class:`LaunchError` is raised with the exit code and the log's tail;
+  nothing is left running.
+* ``await stop()`` sends SIGTERM to the whole group, waits up to a grace period, then SIGKILLs
+  the group. Idempotent; safe on a replica that never started or already died.
+* ``kill(sig)`` signals the group without waiting (tests use it to simulate a crash).
+
+Two flavours share one spec: ``cpu`` runs ``python -m vllm.entrypoints.launchers.api_server.entry
+--model ...`` (the ``vllm`` console script of ``vllm-cpu`` is broken: its package metadata is
+named ``vllm-cpu``); ``gpu`` runs ``python -m vllm.entrypoints.cli.main serve MODEL ...`` and may
+add ``--weight-transfer-config '{"backend": "nccl"}'``. Only the CPU flavour is exercised here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pool.errors import RolloutPoolError
+
+__all__ = ["LaunchError", "LocalReplica", "ReplicaSpec", "free_port", "log_tail"]
+
+MIB = 1024 * 1024
+
+#: Unix socket paths are limited to 107 bytes; vLLM puts ``<base>/<uuid4>`` ZMQ sockets under
+#: ``VLLM_RPC_BASE_PATH``, so the base must stay well below that.
+_MAX_RPC_BASE_LEN = 64
+
+
+class LaunchError(RolloutPoolError):
+    """A replica did not become ready. ``context`` has ``exit_code`` and ``log_tail``.
+
+    When this is raised the replica's process group has already been killed.
+    """
+
+    code = "launch_error"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a text file ("" if it does not exist)."""
+    try:
+        with path.open("r", errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
+
+class ReplicaSpec(BaseModel):
+    """What to launch. Frozen; ``model`` is resolved to an absolute path.
+
+    ``cpu_bind`` becomes ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"`` or ``"0-1"``; ``None``
+    lets vLLM choose, which puts every replica on core 0). ``kv_cache_bytes`` becomes
+    ``--kv-cache-memory-bytes`` and an inherited ``VLLM_CPU_KVCACHE_SPACE`` is removed, because
+    that variable overrides the flag. ``work_dir`` holds the log, ``VLLM_CACHE_ROOT`` and
+    ``TMPDIR``; ``None`` picks a fresh directory under ``$ROLLOUTPOOL_CACHE/replicas``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Path
+    flavor: Literal["cpu", "gpu"] = "cpu"
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port at start
+    name: str = "replica"
+    served_model_name: str | None = None
+    cpu_bind: str | None = "0"
+    cuda_visible_devices: str | None = None  # gpu flavour only
+    kv_cache_bytes: int | None = Field(default=64 * MIB, gt=0)
+    enforce_eager: bool = True
+    dtype: str = "float32"
+    max_model_len: int = Field(default=512, gt=0)
+    enable_prefix_caching: bool = True
+    enable_scale_out: bool = False  # adds /inference/v1/generate (per-token weight_versions)
+    weight_transfer_backend: str | None = None  # gpu: e.g. "nccl" -> --weight-transfer-config
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    work_dir: Path | None = None
+    startup_timeout_s: float = Field(default=240.0, gt=0)
+    stop_grace_s: float = Field(default=20.0, ge=0)
+
+    @field_validator("model")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @property
+    def model_name(self) -> str:
+        """The name requests must use in ``"model"`` (vLLM defaults it to the model path)."""
+        return self.served_model_name or str(self.model)
+
+    def command(self, port: int, work_dir: Path, rpc_dir: Path) -> tuple[list[str], dict[str, str]]:
+        """The argv and the full environment for a server on ``port``. No side effects."""
+        common = ["--host", self.host, "--port", str(port)]
+        common += ["--dtype", self.dtype, "--max-model-len", str(self.max_model_len)]
+        if self.kv_cache_bytes is not None:
+            common += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.enforce_eager:
+            common.append("--enforce-eager")
+        if self.enable_prefix_caching:
+            common.append("--enable-prefix-caching")
+        if self.enable_scale_out:
+            common.append("--enable-scale-out")
+        if self.served_model_name:
+            common += ["--served-model-name", self.served_model_name]
+        if self.flavor == "cpu":
+            argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
+            argv += ["--model", str(self.model), *common]
+        else:
+            argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(self.model)]
+            argv += common
+            if self.weight_transfer_backend:
+                cfg = json.dumps({"backend": self.weight_transfer_backend})
+                argv += ["--weight-transfer-config", cfg]
+        argv += list(self.extra_args)
+
+        env = dict(os.environ)
+        if self.kv_cache_bytes is not None:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.update(
+            {
+                "VLLM_SERVER_DEV_MODE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
+                "TMPDIR": str(work_dir / "tmp"),
+                "VLLM_RPC_BASE_PATH": str(rpc_dir),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.flavor == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind or "auto"
+        elif self.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        env.update(self.env)
+        return argv, env
+
+
+def _default_work_dir(name: str) -> Path:
+    from pool.models import default_cache_root  # light import; avoids a cycle at module load
+
+    root = default_cache_root() / "replicas"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+
+
+class LocalReplica:
+    """One local vLLM server process group, started and stopped by this object.
+
+    Not thread-safe; use from one event loop. ``url``, ``pid`` and ``log_path`` are valid after
+    :meth:`start` has spawned the process (``url`` as soon as the port is chosen).
+    """
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        self.port = spec.port or free_port(spec.host)
+        self.work_dir = (spec.work_dir or _default_work_dir(spec.name)).resolve()
+        self.log_path = self.work_dir / "server.log"
+        self._rpc_dir: Path | None = None
+        self._own_rpc_dir = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the group leader has exited (negative: killed by that signal)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _prepare_dirs(self) -> Path:
+        (self.work_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "vllm-cache").mkdir(parents=True, exist_ok=True)
+        rpc = self.work_dir / "tmp"
+        if len(str(rpc)) > _MAX_RPC_BASE_LEN:
+            rpc = Path(tempfile.mkdtemp(prefix="rp-"))
+            self._own_rpc_dir = True
+        self._rpc_dir = rpc
+        return rpc
+
+    def spawn(self) -> None:
+        """Spawn the server process (own session) and return at once; does not wait for ready."""
+        if self._proc is not None:
+            raise LaunchError(f"{self.spec.name} was already started", pid=self.pid)
+        rpc_dir = self._prepare_dirs()
+        argv, env = self.spec.command(self.port, self.work_dir, rpc_dir)
+        with self.log_path.open("ab") as log:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            log.write(f"=== {stamp} rolloutpool launch: {' '.join(argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.work_dir,
+                start_new_session=True,
+            )
+
+    async def start(self) -> float:
+        """Spawn the server and wait until it serves a real completion; returns seconds taken.
+
+        Blocks up to ``spec.startup_timeout_s``. Raises :class:`LaunchError` (with exit code and
+        log tail) if the process exits, the deadline passes, or the probe completion fails; the
+        process group is killed before raising.
+        """
+        t0 = time.monotonic()
+        self.spawn()
+        deadline = t0 + self.spec.startup_timeout_s
+        phase = "health"
+        try:
+            async with httpx.AsyncClient(base_url=self.url, timeout=10.0) as client:
+                while True:
+                    if not self.alive:
+                        await self._fail(f"server exited during startup ({phase} phase)")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        await self._fail(
+                            f"not ready after {self.spec.startup_timeout_s:.0f}s ({phase} phase)"
+                        )
+                    try:
+                        if phase == "health":
+                            r = await client.get("/health", timeout=min(5.0, remaining))
+                            if r.status_code == 200:
+                                phase = "completion"
+                        if phase == "completion":
+                            await self._probe(client, min(60.0, max(remaining, 0.1)))
+                            break
+                    except httpx.TransportError:
+                        pass  # not listening yet, or the completion timed out: poll again
+                    await asyncio.sleep(0.5)
+        except BaseException:
+            await self._cleanup_after_failure()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self.startup_s
+
+    async def _probe(self, client: httpx.AsyncClient, limit_s: float) -> None:
+        body: dict[str, Any] = {
+            "model": self.spec.model_name,
+            "prompt": [0, 300, 301, 302],
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        r = await client.post("/v1/completions", json=body, timeout=limit_s)
+        if r.status_code != 200:
+            await self._fail(f"probe completion answered HTTP {r.status_code}: {r.text[:300]}")
+        try:
+            choices = r.json()["choices"]
+            ok = isinstance(choices, list) and len(choices) == 1
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            await self._fail(f"probe completion returned an unexpected body: {r.text[:300]}")
+
+    async def _fail(self, why: str) -> None:
+        """Kill the group, then raise LaunchError with the exit code and the log tail."""
+        await self._cleanup_after_failure()
+        code = self.returncode
+        tail = self.log_tail(40)
+        raise LaunchError(
+            f"{self.spec.name} on {self.url} failed to start: {why}; exit code {code}; "
+            f"log {self.log_path}, last lines:\n{tail}",
+            exit_code=code,
+            log_path=str(self.log_path),
+            log_tail=tail,
+            url=self.url,
+        )
+
+    async def _cleanup_after_failure(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.stop(grace_s=5.0)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group; no wait. No-op if never started or gone."""
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    async def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM the group, wait up to ``grace_s`` (default ``spec.stop_grace_s``), SIGKILL.
+
+        Returns the leader's exit status (None if never started). Idempotent. After it returns
+        no process of the group is left (a final SIGKILL to the group reaps stragglers).
+        """
+        proc = self._proc
+        if proc is None:
+            return None
+        grace = self.spec.stop_grace_s if grace_s is None else grace_s
+        if proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(proc.wait, grace)
+        self.kill(signal.SIGKILL)  # stragglers (EngineCore, workers) and an unresponsive leader
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(proc.wait, 30.0)
+        if self._own_rpc_dir and self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._own_rpc_dir = False
+        return proc.returncode
+
+    async def restart(self) -> float:
+        """Stop the process group (if any) and start a fresh server on the same port and work
+        dir, so the replica keeps its URL. Returns the start time in seconds (see :meth:`start`)."""
+        await self.stop()
+        self._proc = None
+        return await self.start()
+
+    async def __aenter__(self) -> LocalReplica:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

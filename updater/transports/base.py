@@ -1,0 +1,47 @@
+"""The transport contract: preflight (never mutates), then transfer (mutates).
+
+The cycle runner calls, for one replica that is already QUIESCED (engine paused, no bindings):
+
+1. :meth:`Transport.preflight` — checks that ``target`` can be applied to this replica: the
+   checkpoint exists and is readable, its manifest matches the replica's, the declared identity
+   matches the checkpoint. It **must not mutate** the engine (read-only calls at most). Refusal
+   raises :class:`~pool.errors.PreflightFailed`; the replica can be resumed on its old weights.
+2. :meth:`Transport.transfer` — loads the new weights. It returns
+   :class:`~pool.evidence.TransferEvidence` on success. It may raise
+   :class:`~pool.errors.PreflightFailed` or :class:`~pool.errors.NoMutation` only when nothing
+   was changed. **Any other exception from transfer is ambiguous**: the caller must treat the
+   replica's weights as unknown (``StepFailed(AMBIGUOUS)`` -> TAINTED), including
+   ``CancelledError`` and deadline expiry.
+
+Transports do not pause, reset caches, set labels or validate; the cycle runner does. Each
+transport is stateless across replicas, so one instance may serve a whole pool; concurrency
+control (one replica at a time) belongs to the caller.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Generic, TypeVar
+
+from pool.engine import VllmEngine
+from pool.evidence import TransferEvidence
+
+__all__ = ["Transport"]
+
+TTarget = TypeVar("TTarget")
+
+
+class Transport(ABC, Generic[TTarget]):
+    """Moves the weights described by a ``TTarget`` into one engine. See the module contract."""
+
+    #: Registry name, recorded in :attr:`TransferEvidence.transport`.
+    name: ClassVar[str]
+
+    @abstractmethod
+    async def preflight(self, engine: VllmEngine, target: TTarget) -> None:
+        """Refuse ``target`` with PreflightFailed unless it can be applied. Never mutates."""
+
+    @abstractmethod
+    async def transfer(self, engine: VllmEngine, target: TTarget) -> TransferEvidence:
+        """Load ``target`` into ``engine`` (paused). Exceptions other than PreflightFailed /
+        NoMutation mean the engine's weights are unknown."""
