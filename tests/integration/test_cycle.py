@@ -1,0 +1,212 @@
+"""One replica, full update cycle, through the controller: real vLLM CPU + real Redis.
+
+The replica starts on marker checkpoint M0 (greedy and sampled output is always token T0), so
+the tokens of a rollout name the generation that produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from pool.checkpoint import read_manifest
+from pool.engine import VllmEngine
+from pool.evidence import TransferEvidence
+from pool.launcher import LocalReplica, ReplicaSpec
+from pool.models import ensure_model, marker_token
+from pool.store import RedisStore, UpdaterLease
+from pool.types import BindingState, Generation, ReplicaState, WeightIdentity
+from updater.cycle import CycleError, CycleRunner, Deadlines, Probe, ReplicaHandle, UpdateTarget
+from updater.transports.reload import ReloadTarget, ReloadTransport
+
+pytestmark = pytest.mark.integration
+S = ReplicaState
+PROMPT = tuple(range(10, 40))
+
+
+def marker_dir(g: int) -> Path:
+    return ensure_model("marker", token_id=marker_token(g))
+
+
+def target(g: int, path: Path | None = None, expected: int | None = None) -> UpdateTarget:
+    path = path or marker_dir(g)
+    ident = WeightIdentity(
+        manifest_digest=read_manifest(path).digest, checkpoint_uri=str(path), step=g
+    )
+    tok = marker_token(g if expected is None else expected)
+    return UpdateTarget(Generation(number=g, label=f"g{g}"), ident, path,
+                        Probe(PROMPT, (tok,) * 4))
+
+
+@dataclass
+class Pool:
+    replica: LocalReplica
+    store: RedisStore
+    lease: UpdaterLease
+    runner: CycleRunner
+    handle: ReplicaHandle
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pool(redis_server, tmp_path_factory) -> AsyncIterator[Pool]:  # type: ignore[no-untyped-def]
+    from pool.settings import StoreSettings
+
+    spec = ReplicaSpec(model=marker_dir(0), name="cycle", cpu_bind="1",
+                       work_dir=tmp_path_factory.mktemp("cycle"))
+    replica = LocalReplica(spec)
+    await replica.start()
+    store = RedisStore.connect(StoreSettings(url=redis_server.url, namespace="cycle"))
+    lease = store.updater_lease("test")
+    token = await lease.acquire()
+    keep = asyncio.create_task(lease.keep_alive())
+    engine = VllmEngine(replica.url, timeout=60.0)
+    handle = ReplicaHandle("r0", engine, read_manifest(marker_dir(0)))
+    runner = CycleRunner(store, lease, ReloadTransport(), deadlines=Deadlines(transfer_s=30))
+    await store.register_replica("r0", replica.url, token)
+    t0 = target(0)
+    await runner.bootstrap(handle, t0.generation, t0.identity, t0.probe, checkpoint=None)
+    try:
+        yield Pool(replica, store, lease, runner, handle)
+    finally:
+        keep.cancel()
+        await engine.aclose()
+        await lease.release()
+        await store.close()
+        await replica.stop()
+
+
+async def serve(p: Pool, rollout: str, max_tokens: int, temperature: float = 1.0) -> tuple[int, ...]:
+    """One rollout through the store, the way a router does it: admit, generate, release."""
+    adm = await p.store.admit(rollout, "r0")
+    try:
+        out = await p.handle.engine.complete(
+            list(PROMPT), max_tokens=max_tokens, temperature=temperature,
+            cache_salt=adm.label, timeout_s=120,
+        )
+    except BaseException:
+        await p.store.release(rollout, "r0", BindingState.ABORTED, reason="error")
+        raise
+    await p.store.release(rollout, "r0", completion_tokens=len(out))
+    return out
+
+
+async def test_full_cycle_with_a_live_rollout(pool: Pool) -> None:
+    p = pool
+    assert (await p.store.replica("r0")).state is S.READY
+    assert await serve(p, "warm", 4) == (marker_token(0),) * 4
+
+    await p.runner.transport.preflight(p.handle.engine, ReloadTarget(
+        target(1).identity, target(1).path, p.handle.manifest))  # warm: file reads, threads
+    live = asyncio.create_task(serve(p, "live-256", 256))
+    while (await p.store.replica("r0")).active == 0:
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    report = await p.runner.run(p.handle, target(1))
+    took = time.monotonic() - t0
+    tokens = await live
+
+    assert report.outcome == "ready" and p.handle.lc.state is S.READY
+    assert tokens == (marker_token(0),) * 256, "the live rollout must finish on g0 alone"
+    assert report.window_s is not None
+    assert set(report.phases) >= {"preflight", "drain", "pause", "transfer", "invalidate",
+                                  "validate", "resume"}
+    rec = await p.store.replica("r0")
+    assert (rec.state, rec.generation, rec.label) == (S.READY, 1, "g1")
+    assert (await p.store.latest())[0] == Generation(number=1, label="g1")  # type: ignore[index]
+    label = await p.handle.engine.weight_label()
+    assert label.label == "g1"
+
+    entries = await p.store.journal()
+
+    def at(kind: str, key: str, value: str) -> int:
+        return next(i for i, e in enumerate(entries) if e.type == kind and e.fields[key] == value)
+
+    admit, release = at("admit", "rollout", "live-256"), at("release", "rollout", "live-256")
+    draining, updating = at("transition", "to", "DRAINING"), at("transition", "to", "UPDATING")
+    assert admit < draining < release < updating, "drain must wait for the live rollout"
+    states = [e.fields["to"] for e in entries[draining:] if e.type == "transition"]
+    assert states == ["DRAINING", "QUIESCED", "UPDATING", "INVALIDATING", "VALIDATING",
+                      "RESUMING", "READY"]
+    assert await serve(p, "after", 8) == (marker_token(1),) * 8
+    print(f"cycle phases: {report.to_dict()} total {took:.2f}s")
+
+
+async def test_bad_checkpoint_is_refused_before_any_mutation(pool: Pool, tmp_path: Path) -> None:
+    p = pool
+    cur = p.handle.lc.generation
+    assert cur is not None
+    g = cur.number + 1
+    wide = ensure_model("random", seed=1, intermediate_size=512)
+    missing = target(g)
+    bad = [
+        UpdateTarget(missing.generation, missing.identity, tmp_path / "missing", missing.probe),
+        target(g, path=wide),
+        UpdateTarget(Generation(number=g, label=f"g{g}"),
+                     WeightIdentity(manifest_digest="sha256:other",
+                                    checkpoint_uri=str(marker_dir(g)), step=g),
+                     marker_dir(g), Probe(PROMPT, (1,))),
+    ]
+    for t in bad:
+        with pytest.raises(CycleError) as e:
+            await p.runner.run(p.handle, t)
+        assert e.value.report.outcome == "refused", e.value.report
+        rec = await p.store.replica("r0")
+        assert rec.state is S.READY and rec.generation == cur.number
+    assert await serve(p, f"still-{g}", 4) == (marker_token(cur.number),) * 4
+
+
+class HangingTransport(ReloadTransport):
+    """Fault injection (a real server cannot be made to hang on demand): the transfer blocks
+    forever after the real preflight, like a collective whose peer died."""
+
+    async def transfer(self, engine: VllmEngine, target: ReloadTarget) -> TransferEvidence:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_stuck_transfer_taints_within_deadline_then_recovers(pool: Pool) -> None:
+    p = pool
+    cur = p.handle.lc.generation
+    assert cur is not None
+    g = cur.number + 1
+    hang = CycleRunner(p.store, p.lease, HangingTransport(), deadlines=Deadlines(transfer_s=1.0))
+    t0 = time.monotonic()
+    with pytest.raises(CycleError) as e:
+        await hang.run(p.handle, target(g))
+    elapsed = time.monotonic() - t0
+    assert e.value.report.outcome == "tainted"
+    assert elapsed < 10, elapsed
+    rec = await p.store.replica("r0")
+    assert rec.state is S.TAINTED and "transfer" in rec.reason
+    assert (await p.store.latest())[0].number == cur.number  # type: ignore[index]  # never published
+
+    # recovery: a fresh process, the latest generation loaded from scratch, validated
+    await p.runner.start_recovery(p.handle, "restart after stuck transfer")
+    await p.replica.restart()
+    latest = target(cur.number)
+    report = await p.runner.bootstrap(p.handle, latest.generation, latest.identity,
+                                      latest.probe, checkpoint=latest.path)
+    assert report.outcome == "ready"
+    rec = await p.store.replica("r0")
+    assert (rec.state, rec.generation) == (S.READY, cur.number)
+    assert await serve(p, "recovered", 4) == (marker_token(cur.number),) * 4
+
+
+async def test_failed_validation_taints_and_never_publishes(pool: Pool) -> None:
+    p = pool
+    cur = p.handle.lc.generation
+    assert cur is not None
+    g = cur.number + 1
+    wrong = target(g, expected=g + 5)  # the probe expects another marker
+    with pytest.raises(CycleError) as e:
+        await p.runner.run(p.handle, wrong)
+    assert e.value.report.outcome == "tainted" and "validate" in e.value.report.reason
+    assert (await p.store.latest())[0].number == cur.number  # type: ignore[index]
+    with pytest.raises(Exception):
+        await p.store.admit("nope", "r0")

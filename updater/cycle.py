@@ -1,0 +1,419 @@
+"""The per-replica cycle runner: drives the pure controller through one update (or bootstrap).
+
+For one replica and one target generation::
+
+    preflight (read-only)                     refused -> replica untouched, still READY
+    READY -> DRAINING        fenced CAS: admissions close here (I1)
+    wait until the store's active bindings are 0 (policy ``wait``), or abort them after
+                             ``drain_timeout_s`` (policy ``abort``: marked aborted, never lost)
+    POST /pause              DrainEvidence: store closed + 0 active; engine paused + 0 running
+    DRAINING -> QUIESCED -> UPDATING            (the store refuses both with active bindings: I2)
+    transfer                 under the watchdog deadline (I5)
+    UPDATING -> INVALIDATING reset prefix (body checked) + mm + encoder caches
+    INVALIDATING -> VALIDATING  set the label; resume the engine; probe; read the label back
+    VALIDATING -> RESUMING -> READY(g+1)        publishes g+1 if it is the first replica on it
+
+Validation runs while the replica is *closed to admissions* (store state VALIDATING: routers
+admit only READY, and its active count is 0). The engine itself is resumed for the probe,
+because vLLM 0.26/0.32 silently queue requests sent to a paused engine (0.33 answers 503), so a
+probe cannot run while the scheduler is paused; no rollout can reach the engine in that window.
+
+Failures: before ``UPDATING`` every failure is "no mutation": the engine is resumed and the
+replica returns to READY on its old generation (``UpdateCancelled``); if the resume cannot be
+confirmed the replica is TAINTED. From ``UPDATING`` on, every failure — an exception, a deadline,
+evidence that does not prove its step — is ambiguous: TAINTED (I4), never published.
+
+One runner serves a whole pool; it is not safe to run two cycles on one replica concurrently
+(the store's CAS would refuse the second anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from pool.engine import VllmEngine
+from pool.errors import LifecycleError, RolloutPoolError, StoreConflict
+from pool.evidence import (
+    BootstrapEvidence,
+    DrainEvidence,
+    DrainRequested,
+    Event,
+    FailureKind,
+    LabelEvidence,
+    RecoveryStarted,
+    ResumeEvidence,
+    StepFailed,
+    TransferStarted,
+    UpdateCancelled,
+    ValidationEvidence,
+)
+from pool.lifecycle import Lifecycle, advance
+from pool.store import RedisStore, UpdaterLease
+from pool.types import Generation, Manifest, ReplicaState, WeightIdentity
+from updater.transports.reload import ReloadTarget, ReloadTransport
+from updater.watchdog import bounded
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+
+
+class DrainPolicy(StrEnum):
+    WAIT = "wait"  # strict: wait for every binding to end, however long
+    ABORT = "abort"  # after drain_timeout_s, abort what is left (marked aborted in provenance)
+
+
+class Deadlines(BaseModel):
+    """Per-step deadlines in seconds (I5). Every engine call of a cycle runs under one."""
+
+    preflight_s: float = Field(default=60.0, gt=0)
+    pause_s: float = Field(default=60.0, gt=0)
+    transfer_s: float = Field(default=300.0, gt=0)
+    reset_s: float = Field(default=30.0, gt=0)
+    validate_s: float = Field(default=60.0, gt=0)
+    resume_s: float = Field(default=30.0, gt=0)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A validation probe: greedy output of ``prompt_token_ids`` must equal ``expected``."""
+
+    prompt_token_ids: tuple[int, ...]
+    expected: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UpdateTarget:
+    generation: Generation
+    identity: WeightIdentity
+    path: Path
+    probe: Probe
+
+
+@dataclass
+class ReplicaHandle:
+    """The updater's view of one replica: its engine client, manifest and controller state."""
+
+    replica_id: str
+    engine: VllmEngine
+    manifest: Manifest
+    lc: Lifecycle = field(default_factory=Lifecycle)
+
+
+@dataclass
+class CycleReport:
+    replica_id: str
+    generation: int
+    outcome: str = "running"  # ready | refused | cancelled | tainted
+    reason: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
+    window_s: float | None = None  # QUIESCED -> READY
+    aborted_rollouts: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica_id,
+            "generation": self.generation,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "phases": {k: round(v, 4) for k, v in self.phases.items()},
+            "window_s": None if self.window_s is None else round(self.window_s, 4),
+            "aborted_rollouts": self.aborted_rollouts,
+        }
+
+
+class CycleError(RolloutPoolError):
+    """The cycle did not end READY on the target; ``report.outcome`` says where it ended."""
+
+    code = "cycle_failed"
+
+    def __init__(self, report: CycleReport) -> None:
+        super().__init__(
+            f"{report.replica_id}: {report.outcome}: {report.reason}",
+            replica=report.replica_id,
+            outcome=report.outcome,
+        )
+        self.report = report
+
+
+class _Timer:
+    def __init__(self, report: CycleReport) -> None:
+        self.report = report
+
+    def __call__(self, phase: str) -> _Phase:
+        return _Phase(self.report, phase)
+
+
+class _Phase:
+    def __init__(self, report: CycleReport, name: str) -> None:
+        self.report, self.name = report, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self.report.phases[self.name] = time.monotonic() - self.t0
+
+
+class CycleRunner:
+    """Runs update and bootstrap cycles; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        store: RedisStore,
+        lease: UpdaterLease,
+        transport: ReloadTransport,
+        *,
+        deadlines: Deadlines | None = None,
+        drain_policy: DrainPolicy = DrainPolicy.WAIT,
+        drain_timeout_s: float = 300.0,
+        drain_poll_s: float = 0.02,
+    ) -> None:
+        self.store = store
+        self.lease = lease
+        self.transport = transport
+        self.deadlines = deadlines or Deadlines()
+        self.drain_policy = drain_policy
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_poll_s = drain_poll_s
+
+    # ------------------------------------------------------------------ commits
+
+    async def commit(self, h: ReplicaHandle, event: Event, *, reason: str = "") -> None:
+        """Advance the controller, then commit the same move in the store (fenced CAS).
+
+        Raises :class:`LifecycleError` (nothing written) if the controller refuses, and
+        :class:`StoreConflict` if the store moved under us; a replica found TAINTED by someone
+        else (a router's violation check, the health checker) is adopted as TAINTED.
+        """
+        before = h.lc
+        after = advance(before, event)
+        kw: dict[str, Any] = {"reason": reason or after.reason}
+        if after.state is S.READY and after.generation is not None:
+            kw.update(generation=after.generation, identity_digest=after.identity or "",
+                      publish=True)
+        if after.state is S.DRAINING and after.target is not None:
+            kw.update(target=after.target, target_identity=after.target_identity or "")
+        try:
+            await self.store.transition(
+                h.replica_id, self.lease.require(), before.state, after.state, **kw
+            )
+        except StoreConflict:
+            rec = await self.store.replica(h.replica_id)
+            if rec.state is S.TAINTED:
+                h.lc = replace(before, state=S.TAINTED, reason=rec.reason)
+            raise
+        h.lc = after
+
+    async def _taint(self, h: ReplicaHandle, step: str, exc: BaseException) -> None:
+        """Move the replica to TAINTED (I4) after an ambiguous failure of ``step``."""
+        reason = f"{step}: {type(exc).__name__}: {exc}"
+        log.warning("tainting %s: %s", h.replica_id, reason)
+        if h.lc.state is S.TAINTED:
+            return
+        try:
+            await self.commit(h, StepFailed(step, FailureKind.AMBIGUOUS, reason), reason=reason)
+        except StoreConflict:
+            await self.store.taint(h.replica_id, reason, source="updater")
+            h.lc = replace(h.lc, state=S.TAINTED, reason=reason)
+
+    async def _cancel(self, h: ReplicaHandle, report: CycleReport, step: str,
+                      exc: BaseException, paused: bool) -> CycleError:
+        """No mutation happened: resume the engine and return to READY on the old generation."""
+        report.reason = f"{step}: {exc}"
+        try:
+            res = (
+                await bounded("resume", h.engine.resume(), self.deadlines.resume_s, mutating=False)
+                if paused
+                else None
+            )
+            await self.commit(h, UpdateCancelled(res), reason=f"cancelled: {report.reason}")
+            report.outcome = "cancelled"
+        except Exception as e2:  # the resume could not be confirmed: the engine state is unknown
+            await self._taint(h, "resume after cancel", e2)
+            report.outcome = "tainted"
+        return CycleError(report)
+
+    # ------------------------------------------------------------------ the update cycle
+
+    async def run(self, h: ReplicaHandle, t: UpdateTarget) -> CycleReport:
+        """Update ``h`` to ``t``; returns the report on READY(t.generation), else raises
+        :class:`CycleError` whose report says refused / cancelled / tainted."""
+        report = CycleReport(h.replica_id, t.generation.number)
+        timer = _Timer(report)
+        target = ReloadTarget(identity=t.identity, path=t.path, expected_manifest=h.manifest)
+        d = self.deadlines
+
+        with timer("preflight"):
+            try:
+                await bounded("preflight", self.transport.preflight(h.engine, target),
+                              d.preflight_s, mutating=False)
+            except Exception as e:
+                report.outcome, report.reason = "refused", f"preflight: {e}"
+                raise CycleError(report) from e
+
+        with timer("drain"):
+            await self.commit(h, DrainRequested(t.generation, t.identity.digest))
+            try:
+                aborted = await self._wait_drained(h)
+            except CycleError:
+                raise
+            except Exception as e:
+                raise await self._cancel(h, report, "drain", e, paused=False) from e
+            report.aborted_rollouts = aborted
+
+        with timer("pause"):
+            try:
+                pause = await bounded("pause", h.engine.pause("abort" if aborted else "wait"),
+                                      d.pause_s, mutating=False)
+                running = (await h.engine.metrics()).requests_running
+                rec = await self.store.replica(h.replica_id)
+                drained = DrainEvidence(
+                    admissions_closed=rec.state is S.DRAINING,
+                    active_bindings=rec.active,
+                    engine_paused=pause.proves_paused,
+                    engine_running=running,
+                )
+                await self.commit(h, drained)
+            except (StoreConflict, CycleError):
+                raise
+            except Exception as e:
+                raise await self._cancel(h, report, "pause", e, paused=True) from e
+        quiesced_at = time.monotonic()
+
+        step = "transfer"
+        try:
+            await self.commit(h, TransferStarted(t.identity.digest))
+            with timer("transfer"):
+                ev = await bounded("transfer", self.transport.transfer(h.engine, target),
+                                   d.transfer_s, mutating=True)
+                await self.commit(h, ev)
+            step = "invalidate"
+            with timer("invalidate"):
+                reset = await bounded("invalidate", h.engine.reset_caches(), d.reset_s,
+                                      mutating=True)
+                await self.commit(h, reset)
+            step = "validate"
+            with timer("validate"):
+                valid = await bounded("validate", self._validate(h, t.generation, t.probe),
+                                      d.validate_s, mutating=True)
+                await self.commit(h, valid)
+            step = "resume"
+            with timer("resume"):
+                paused = await bounded("resume", h.engine.is_paused(), d.resume_s,
+                                       mutating=True)
+                await self.commit(h, ResumeEvidence(200, paused))
+        except Exception as e:
+            await self._taint(h, step, e)
+            report.outcome, report.reason = "tainted", f"{step}: {type(e).__name__}: {e}"
+            raise CycleError(report) from e
+        report.window_s = time.monotonic() - quiesced_at
+        report.outcome = "ready"
+        return report
+
+    async def _wait_drained(self, h: ReplicaHandle) -> list[str]:
+        """Wait for the replica's active bindings to reach 0 (see :class:`DrainPolicy`)."""
+        deadline = (
+            time.monotonic() + self.drain_timeout_s
+            if self.drain_policy is DrainPolicy.ABORT
+            else None
+        )
+        while True:
+            rec = await self.store.replica(h.replica_id)
+            if rec.state is S.TAINTED:
+                h.lc = replace(h.lc, state=S.TAINTED, reason=rec.reason)
+                report = CycleReport(h.replica_id, h.lc.target.number if h.lc.target else -1,
+                                     outcome="tainted", reason=f"tainted while draining: "
+                                     f"{rec.reason}")
+                raise CycleError(report)
+            if rec.active == 0:
+                return []
+            if deadline is not None and time.monotonic() >= deadline:
+                return await self.store.abort_active(
+                    h.replica_id, f"drain timeout {self.drain_timeout_s:g}s (policy=abort)"
+                )
+            await asyncio.sleep(self.drain_poll_s)
+
+    async def _validate(self, h: ReplicaHandle, gen: Generation, probe: Probe
+                        ) -> ValidationEvidence:
+        """Label, resume (admissions stay closed), probe, read the label back."""
+        caps = h.engine.capabilities
+        if caps.labels:
+            await h.engine.set_label(gen.label)
+        await h.engine.resume()
+        actual = await h.engine.complete(
+            list(probe.prompt_token_ids), max_tokens=len(probe.expected), temperature=0.0,
+            cache_salt=gen.label,
+        )
+        label = await h.engine.weight_label() if caps.labels else LabelEvidence(False, None)
+        return ValidationEvidence(gen, label, probe.expected, actual)
+
+    # ------------------------------------------------------------------ bootstrap / recovery
+
+    async def bootstrap(
+        self,
+        h: ReplicaHandle,
+        generation: Generation,
+        identity: WeightIdentity,
+        probe: Probe,
+        checkpoint: Path | None,
+    ) -> CycleReport:
+        """Bring a fresh engine (UNINITIALIZED or RECOVERING) to READY on ``generation``.
+
+        ``checkpoint`` is loaded first when the engine was started on another one (a restarted
+        replica joining at the latest generation). The engine must not be serving anyone (the
+        store keeps it closed to admissions until the final commit). Any failure: TAINTED.
+        """
+        report = CycleReport(h.replica_id, generation.number)
+        timer = _Timer(report)
+        d = self.deadlines
+        step = "bootstrap"
+        try:
+            with timer("bootstrap"):
+                caps = await bounded("bootstrap", h.engine.bootstrap(), d.resume_s,
+                                     mutating=False)
+            if checkpoint is not None:
+                target = ReloadTarget(identity=identity, path=checkpoint,
+                                      expected_manifest=h.manifest)
+                step = "load"
+                with timer("load"):
+                    await bounded("preflight", self.transport.preflight(h.engine, target),
+                                  d.preflight_s, mutating=False)
+                    await bounded("pause", h.engine.pause("wait"), d.pause_s, mutating=True)
+                    ev = await bounded("transfer", self.transport.transfer(h.engine, target),
+                                       d.transfer_s, mutating=True)
+                    if not ev.ok:
+                        raise LifecycleError(f"transfer failed: {ev.detail}")
+            step = "invalidate"
+            with timer("invalidate"):
+                reset = await bounded("invalidate", h.engine.reset_caches(), d.reset_s,
+                                      mutating=True)
+                if not reset.proves_reset:
+                    raise LifecycleError(f"cache reset not proven: {reset.detail}")
+            step = "validate"
+            with timer("validate"):
+                valid = await bounded("validate", self._validate(h, generation, probe),
+                                      d.validate_s, mutating=True)
+            ev_boot = BootstrapEvidence(generation, identity.digest, caps.version, valid,
+                                        completion_ok=True)
+            step = "commit"
+            await self.commit(h, ev_boot)
+        except Exception as e:
+            if h.lc.state is not S.TAINTED:
+                await self._taint(h, step, e)
+            report.outcome, report.reason = "tainted", f"{step}: {type(e).__name__}: {e}"
+            raise CycleError(report) from e
+        report.outcome = "ready"
+        return report
+
+    async def start_recovery(self, h: ReplicaHandle, reason: str) -> None:
+        """TAINTED -> RECOVERING (the caller then restarts the process and calls bootstrap)."""
+        await self.commit(h, RecoveryStarted(reason), reason=reason)
+
