@@ -16,6 +16,8 @@ Keys (``{ns}`` = ``{rp}`` by default)::
     {ns}:latest                hash: number label identity (the published generation)
     {ns}:generations           hash: number -> GenerationRecord JSON (declared generations)
     {ns}:journal               stream: every admission, release, transition and publish
+    {ns}:updates               hash: update id -> the updater's UpdateRecord JSON
+    {ns}:updates:order         zset: update id -> creation time (ms)
     {ns}:updater:lease         the updater lease (value = fencing token)
     {ns}:updater:fence         counter the fencing tokens are drawn from
 
@@ -282,6 +284,8 @@ class Keys:
     latest = property(lambda self: f"{self.p}:latest")
     generations = property(lambda self: f"{self.p}:generations")
     journal = property(lambda self: f"{self.p}:journal")
+    updates = property(lambda self: f"{self.p}:updates")
+    updates_order = property(lambda self: f"{self.p}:updates:order")
     lease = property(lambda self: f"{self.p}:updater:lease")
     fence = property(lambda self: f"{self.p}:updater:fence")
 
@@ -737,6 +741,33 @@ class RedisStore:
     async def leased_rollouts(self) -> int:
         n: int = await self._call(lambda: self.r.zcard(self.k.leases))
         return n
+
+    # ---------------------------------------------------------------- update records
+
+    async def save_update(self, update_id: str, created_ms: int, record_json: str) -> None:
+        """Write (or overwrite) an update record. Records are the updater's, not routers'."""
+
+        async def run() -> None:
+            async with self.r.pipeline(transaction=True) as p:
+                p.hset(self.k.updates, update_id, record_json)
+                p.zadd(self.k.updates_order, {update_id: created_ms})
+                await p.execute()
+
+        await self._call(run)
+
+    async def update_json(self, update_id: str) -> str:
+        raw = await self._call(lambda: self.r.hget(self.k.updates, update_id))
+        if raw is None:
+            raise NotFound(f"unknown update {update_id}", update_id=update_id)
+        return str(raw)
+
+    async def updates_json(self, limit: int = 100) -> list[str]:
+        """The newest ``limit`` update records, newest first."""
+        ids = await self._call(lambda: self.r.zrevrange(self.k.updates_order, 0, limit - 1))
+        if not ids:
+            return []
+        raw = await self._call(lambda: self.r.hmget(self.k.updates, ids))
+        return [str(x) for x in raw if x is not None]
 
     # ---------------------------------------------------------------- lease (I8)
 

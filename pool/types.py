@@ -162,8 +162,12 @@ class Binding(_Frozen):
 
 
 class GenerationRecord(_Frozen):
-    """A generation the updater declared, with the identity it must carry."""
+    """A generation the updater declared: the identity it must carry, where its checkpoint is,
+    and the validation probe (greedy output of ``probe_prompt`` must equal ``probe_expected``)
+    that every replica loading it — updated or freshly restarted — must pass."""
 
     generation: Generation
     identity: WeightIdentity
-    published_ms: int | None = None
+    checkpoint: str = ""
+    probe_prompt: tuple[int, ...] = ()
+    probe_expected: tuple[int, ...] = ()
