@@ -1,0 +1,27 @@
+"""RolloutPool's router: the data plane rollout clients talk to (aiohttp, stateless, many).
+
+It is a drop-in OpenAI-compatible endpoint (``/v1/completions``, ``/v1/chat/completions``,
+``/inference/v1/generate``, ``/v1/models``) that admits every rollout to a replica that is
+``READY`` on an admissible generation (one atomic Redis script, I1), forwards it with that
+generation's ``cache_salt``, checks vLLM's ``weight_versions`` spans where present (I7), and
+ends the binding exactly once with a provenance record. Nothing but the routes below is
+reachable; vLLM's control endpoints are not.
+
+Modules (read in this order):
+
+* :mod:`router.settings` — ``RouterSettings`` (env ``ROLLOUTPOOL_ROUTER_*``)
+* :mod:`router.app` — ``create_app(settings, store_settings)``, resources, ``start_server``
+* :mod:`router.proxy` — forwarding, SSE streaming, the outcome of each request
+* :mod:`router.admission` — constraints, the cached pool view, ordering and admitting
+* :mod:`router.sessions` — ``/v1/rollouts`` (multi-request rollouts) and provenance records
+* :mod:`router.bindings` — releasing (shielded, retried) and lease renewal
+* :mod:`router.provenance` — the ``rollout`` object, ``X-Rollout-*`` headers, span check
+* :mod:`router.upstream` — the pooled client session and the replicas' model ids
+* :mod:`router.status` — ``/v1/pool``, ``/healthz``, ``/metrics``, admin taint
+* :mod:`router.auth`, :mod:`router.errors`, :mod:`router.bodies`, :mod:`router.keys`
+"""
+
+from router.app import create_app, start_server
+from router.settings import RouterSettings
+
+__all__ = ["RouterSettings", "create_app", "start_server"]

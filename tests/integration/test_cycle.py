@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
+from pool.errors import AdmissionRefused
 from pool.evidence import TransferEvidence
 from pool.launcher import LocalReplica, ReplicaSpec
 from pool.models import ensure_model, marker_token
@@ -81,7 +82,9 @@ async def pool(redis_server, tmp_path_factory) -> AsyncIterator[Pool]:  # type: 
         await replica.stop()
 
 
-async def serve(p: Pool, rollout: str, max_tokens: int, temperature: float = 1.0) -> tuple[int, ...]:
+async def serve(
+    p: Pool, rollout: str, max_tokens: int, temperature: float = 1.0
+) -> tuple[int, ...]:
     """One rollout through the store, the way a router does it: admit, generate, release."""
     adm = await p.store.admit(rollout, "r0")
     try:
@@ -208,5 +211,5 @@ async def test_failed_validation_taints_and_never_publishes(pool: Pool) -> None:
         await p.runner.run(p.handle, wrong)
     assert e.value.report.outcome == "tainted" and "validate" in e.value.report.reason
     assert (await p.store.latest())[0].number == cur.number  # type: ignore[index]
-    with pytest.raises(Exception):
+    with pytest.raises(AdmissionRefused):
         await p.store.admit("nope", "r0")

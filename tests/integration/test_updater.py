@@ -22,7 +22,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
 from updater.app import create_app
-from updater.client import UpdaterAPIError, UpdaterClient
+from updater.client import UpdateFailed, UpdaterClient
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
@@ -145,9 +145,9 @@ async def test_push_is_checked_before_queueing(env: Env) -> None:
 
 
 async def test_failed_validation_stops_the_update_before_publishing(env: Env) -> None:
-    with pytest.raises(Exception) as e:
+    with pytest.raises(UpdateFailed) as e:
         await asyncio.to_thread(push, env, 2, expected=9)
-    rec = e.value.record  # type: ignore[attr-defined]
+    rec = e.value.record
     assert rec["state"] == "failed" and len(rec["replicas"]) == 1
     assert (await env.store.latest())[0].number == 1  # type: ignore[index]
     # the tainted replica is recovered on the latest published generation (g1)
