@@ -6,7 +6,7 @@ For one replica and one target generation::
     READY -> DRAINING        fenced CAS: admissions close here (I1)
     wait until the store's active bindings are 0 (policy ``wait``), or abort them after
                              ``drain_timeout_s`` (policy ``abort``: marked aborted, never lost)
-    POST /pause              DrainEvidence: store closed + 0 active; engine paused + 0 running
+    POST /pause?clear_cache=false   DrainEvidence: store closed + 0 active; engine paused, idle
     DRAINING -> QUIESCED -> UPDATING            (the store refuses both with active bindings: I2)
     transfer                 under the watchdog deadline (I5)
     UPDATING -> INVALIDATING reset prefix (body checked) + mm + encoder caches
@@ -271,8 +271,14 @@ class CycleRunner:
 
         with timer("pause"):
             try:
-                pause = await bounded("pause", h.engine.pause("abort" if aborted else "wait"),
-                                      d.pause_s, mutating=False)
+                # clear_cache=False: the INVALIDATING step's checked reset is the one that
+                # counts (and the one the stale-cache proof exercises), not a side effect here.
+                pause = await bounded(
+                    "pause",
+                    h.engine.pause("abort" if aborted else "wait", clear_cache=False),
+                    d.pause_s,
+                    mutating=False,
+                )
                 running = (await h.engine.metrics()).requests_running
                 rec = await self.store.replica(h.replica_id)
                 drained = DrainEvidence(
