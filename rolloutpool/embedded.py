@@ -1,0 +1,149 @@
+"""The embedded pool: a local ``redis-server``, N local vLLM CPU replicas, the updater and the
+router, all in (or started by) this process. Used by ``rolloutpool up`` and ``demo``.
+
+:class:`PoolConfig` is what ``rolloutpool up --config pool.yaml`` reads; every field has a
+default, so an empty file (or none) gives the embedded default: Redis on a free port with AOF in
+``<workdir>/redis``, 2 replicas of the tiny model pinned to cores 0 and 1, the router on 8000
+and the updater on 8300, both on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, Field
+
+from pool.launcher import ReplicaSpec
+from pool.metrics import UpdaterMetrics
+from pool.models import default_cache_root, ensure_model
+from pool.redis_server import RedisServer
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from router.app import create_app as create_router
+from router.app import start_server
+from router.settings import RouterSettings
+from updater.app import create_app as create_updater_app
+from updater.service import Updater
+from updater.settings import ReplicaConfig, UpdaterSettings
+
+Progress = Callable[[str], None]
+
+
+class PoolConfig(BaseModel):
+    """``rolloutpool up`` configuration (YAML). ``redis_url`` None = embedded redis-server."""
+
+    workdir: Path = Field(default_factory=lambda: default_cache_root() / "pool")
+    redis_url: str | None = None
+    namespace: str = "rp"
+    model: Path | None = None  # None: the tiny model built locally (seed 1)
+    model_init_std: float = 0.2
+    replicas: int = Field(default=2, ge=1, le=16)
+    router_port: int = 8000
+    updater_port: int = 8300
+    admin_token: str | None = None  # None: a random one, printed at start
+    api_keys: list[str] = Field(default_factory=list)
+    enable_scale_out: bool = True
+    router: dict[str, Any] = Field(default_factory=dict)  # extra RouterSettings fields
+    updater: dict[str, Any] = Field(default_factory=dict)  # extra UpdaterSettings fields
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class EmbeddedPool:
+    """Start with ``await pool.start()``; stop with ``await pool.stop()`` (idempotent)."""
+
+    def __init__(self, config: PoolConfig, progress: Progress = _say) -> None:
+        self.config = config
+        self.say = progress
+        self.admin_token = config.admin_token or secrets.token_urlsafe(18)
+        self.redis: RedisServer | None = None
+        self.updater: Updater | None = None
+        self._runners: list[web.AppRunner] = []
+        self.router_url = ""
+        self.updater_url = ""
+        self.model: Path | None = None
+
+    async def start(self) -> EmbeddedPool:
+        c = self.config
+        c.workdir.mkdir(parents=True, exist_ok=True)
+        if c.redis_url is None:
+            self.say("starting redis-server (AOF, appendfsync everysec)")
+            self.redis = await asyncio.to_thread(RedisServer(c.workdir / "redis").start)
+            redis_url = self.redis.url
+        else:
+            redis_url = c.redis_url
+        store_settings = StoreSettings(url=redis_url, namespace=c.namespace)
+
+        if c.model is None:
+            self.say("building the tiny model locally (cached after the first run)")
+            self.model = await asyncio.to_thread(
+                ensure_model, "random", seed=1, init_std=c.model_init_std
+            )
+        else:
+            self.model = c.model.resolve()
+
+        replicas = [
+            ReplicaConfig(
+                id=f"replica-{i}",
+                model=self.model,
+                launch=ReplicaSpec(
+                    model=self.model,
+                    name=f"replica-{i}",
+                    served_model_name="rolloutpool",
+                    cpu_bind=str(i % 2),
+                    enable_scale_out=c.enable_scale_out,
+                    work_dir=c.workdir / f"replica-{i}",
+                ),
+            )
+            for i in range(c.replicas)
+        ]
+        usettings = UpdaterSettings(
+            host="127.0.0.1", port=c.updater_port, admin_token=self.admin_token,
+            replicas=replicas, **c.updater,
+        )
+        registry = CollectorRegistry()
+        self.updater = Updater(usettings, RedisStore.connect(store_settings),
+                               metrics=UpdaterMetrics.create(registry))
+        self.say(f"starting {c.replicas} vLLM CPU replicas and bootstrapping generation g0 "
+                 "(about a minute on 2 cores)")
+        t0 = time.monotonic()
+        await self.updater.start()
+        self.say(f"replicas READY on g0 after {time.monotonic() - t0:.0f}s")
+
+        app = create_updater_app(self.updater, usettings, registry)
+        runner, port = await start_server(app, "127.0.0.1", c.updater_port)
+        self._runners.append(runner)
+        self.updater_url = f"http://127.0.0.1:{port}"
+
+        rsettings = RouterSettings(
+            host="127.0.0.1", port=c.router_port, admin_token=self.admin_token,
+            api_keys=c.api_keys, **c.router,
+        )
+        runner, port = await start_server(create_router(rsettings, store_settings), "127.0.0.1",
+                                          c.router_port)
+        self._runners.append(runner)
+        self.router_url = f"http://127.0.0.1:{port}"
+        self.say(f"router  {self.router_url}/v1  (OpenAI-compatible; dashboard at /dashboard)")
+        self.say(f"updater {self.updater_url}/v1/updates  (admin token: {self.admin_token})")
+        return self
+
+    async def stop(self) -> None:
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        if self.updater is not None:
+            await self.updater.stop()
+            await self.updater.store.close()
+            self.updater = None
+        if self.redis is not None:
+            await asyncio.to_thread(self.redis.stop)
+            self.redis = None
