@@ -18,6 +18,7 @@ Output: a table per generation, a PNG (reward by generation; replica-generation 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import random
 import shutil
@@ -76,8 +77,7 @@ class Trainer:
     def __init__(self, base: Path, cfg: DemoConfig, workdir: Path) -> None:
         import torch
         from transformers import LlamaForCausalLM
-        from transformers.utils import logging as hf_logging
-
+        hf_logging: Any = importlib.import_module("transformers.utils.logging")
         hf_logging.disable_progress_bar()
         torch.manual_seed(cfg.seed)
         self.torch = torch

@@ -58,7 +58,7 @@ from pool.evidence import (
 from pool.lifecycle import Lifecycle, advance
 from pool.store import RedisStore, UpdaterLease
 from pool.types import Generation, Manifest, ReplicaState, WeightIdentity
-from updater.transports.reload import ReloadTarget, ReloadTransport
+from updater.transports.base import Transport, WeightsTarget
 from updater.watchdog import bounded
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class CycleRunner:
         self,
         store: RedisStore,
         lease: UpdaterLease,
-        transport: ReloadTransport,
+        transport: Transport[WeightsTarget],
         *,
         deadlines: Deadlines | None = None,
         drain_policy: DrainPolicy = DrainPolicy.WAIT,
@@ -248,7 +248,7 @@ class CycleRunner:
         :class:`CycleError` whose report says refused / cancelled / tainted."""
         report = CycleReport(h.replica_id, t.generation.number)
         timer = _Timer(report)
-        target = ReloadTarget(identity=t.identity, path=t.path, expected_manifest=h.manifest)
+        target = WeightsTarget(identity=t.identity, path=t.path, expected_manifest=h.manifest)
         d = self.deadlines
 
         with timer("preflight"):
@@ -386,7 +386,7 @@ class CycleRunner:
                 caps = await bounded("bootstrap", h.engine.bootstrap(), d.resume_s,
                                      mutating=False)
             if checkpoint is not None:
-                target = ReloadTarget(identity=identity, path=checkpoint,
+                target = WeightsTarget(identity=identity, path=checkpoint,
                                       expected_manifest=h.manifest)
                 step = "load"
                 with timer("load"):

@@ -45,7 +45,8 @@ from pool.types import Generation, GenerationRecord, ReplicaRecord, ReplicaState
 from updater import plan
 from updater.cycle import CycleError, CycleReport, CycleRunner, Probe, ReplicaHandle, UpdateTarget
 from updater.settings import ReplicaConfig, UpdaterSettings
-from updater.transports.reload import ReloadTarget, ReloadTransport
+from updater.transports.base import Transport, WeightsTarget
+from updater.transports.reload import ReloadTransport
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -130,7 +131,7 @@ class Updater:
         settings: UpdaterSettings,
         store: RedisStore,
         *,
-        transport: ReloadTransport | None = None,
+        transport: Transport[WeightsTarget] | None = None,
         metrics: UpdaterMetrics | None = None,
         coalesce: bool = True,
     ) -> None:
@@ -279,7 +280,7 @@ class Updater:
                                trainer_run=req.trainer_run, step=req.step,
                                content_hash=req.content_hash)
         await self.runner.transport.preflight(
-            first.handle.engine, ReloadTarget(ident, path, first.handle.manifest)
+            first.handle.engine, WeightsTarget(ident, path, first.handle.manifest)
         )
         number = await self._next_number()
         gen = Generation(number=number, label=req.label or f"g{number}")

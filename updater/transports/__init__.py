@@ -5,7 +5,7 @@
   safetensors directory the server can read (CPU and GPU).
 """
 
-from updater.transports.base import Transport
+from updater.transports.base import Transport, WeightsTarget
 from updater.transports.reload import ReloadTarget, ReloadTransport
 
-__all__ = ["ReloadTarget", "ReloadTransport", "Transport"]
+__all__ = ["ReloadTarget", "ReloadTransport", "Transport", "WeightsTarget"]

@@ -21,12 +21,30 @@ control (one replica at a time) belongs to the caller.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
 from pool.engine import VllmEngine
 from pool.evidence import TransferEvidence
+from pool.types import Manifest, WeightIdentity
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "WeightsTarget"]
+
+
+@dataclass(frozen=True)
+class WeightsTarget:
+    """The weights to load into one replica, as every transport sees them.
+
+    ``identity`` is what the trainer declared; ``path`` the absolute checkpoint directory (the
+    reload transport and NCCL service mode read it; an in-process NCCL source ignores it);
+    ``expected_manifest`` the manifest of the model the replica was started with (recorded at
+    bootstrap): the new weights must match it exactly (names, shapes, dtypes).
+    """
+
+    identity: WeightIdentity
+    path: Path
+    expected_manifest: Manifest
 
 TTarget = TypeVar("TTarget")
 

@@ -21,32 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 from pool.checkpoint import content_hash, read_manifest, safetensors_files
 from pool.engine import VllmEngine
 from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
 from pool.evidence import TransferEvidence
-from pool.types import Manifest, WeightIdentity
-from updater.transports.base import Transport
+from updater.transports.base import Transport, WeightsTarget
 
 __all__ = ["ReloadTarget", "ReloadTransport"]
 
 
-@dataclass(frozen=True)
-class ReloadTarget:
-    """A checkpoint to load into one replica.
-
-    ``identity`` is what the trainer declared; ``path`` the absolute checkpoint directory;
-    ``expected_manifest`` the manifest of the model the replica was started with (recorded at
-    bootstrap): the new checkpoint must match it exactly (names, shapes, dtypes).
-    """
-
-    identity: WeightIdentity
-    path: Path
-    expected_manifest: Manifest
+ReloadTarget = WeightsTarget  # the reload transport's name for the shared target type
 
 
 class ReloadTransport(Transport[ReloadTarget]):
