@@ -153,7 +153,8 @@ class Updater:
         self.replicas: dict[str, ManagedReplica] = {}
         for cfg in settings.replicas:
             launcher = LocalReplica(cfg.launch) if cfg.launch is not None else None
-            url = launcher.url if launcher is not None else str(cfg.url)
+            # an explicit url wins over the launcher's (e.g. a proxy in front of the server)
+            url = cfg.url if cfg.url is not None else launcher.url  # type: ignore[union-attr]
             engine = VllmEngine(url, timeout=settings.deadlines.resume_s)
             handle = ReplicaHandle(cfg.id, engine, read_manifest(cfg.model))
             self.replicas[cfg.id] = ManagedReplica(cfg, handle, launcher)

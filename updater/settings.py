@@ -20,8 +20,11 @@ class ReplicaConfig(BaseModel):
     ``model`` is the checkpoint the server was started with: its manifest is the one every
     pushed checkpoint must match. With ``launch`` the updater starts the process itself and can
     restart it for recovery (local launcher); without it, ``url`` must point at a running server
-    and recovery needs an external supervisor (Kubernetes replaces the pod).
+    and recovery needs an external supervisor (Kubernetes replaces the pod). With both, ``url``
+    is where the updater and routers reach the launched server (e.g. through a proxy).
     """
+
+    model_config = {"extra": "forbid"}
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     url: str | None = None
@@ -38,7 +41,7 @@ class ReplicaConfig(BaseModel):
 
 class UpdaterSettings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="ROLLOUTPOOL_UPDATER_", env_nested_delimiter="__", extra="ignore"
+        env_prefix="ROLLOUTPOOL_UPDATER_", env_nested_delimiter="__", extra="forbid"
     )
 
     host: str = "127.0.0.1"
