@@ -1,5 +1,5 @@
 """Benchmark result metadata (kept in :mod:`rolloutpool.results`)."""
 
-from rolloutpool.results import meta, write
+from rolloutpool.results import RESULTS, meta, write
 
-__all__ = ["meta", "write"]
+__all__ = ["RESULTS", "meta", "write"]

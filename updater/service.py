@@ -117,6 +117,8 @@ class ManagedReplica:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     misses: int = 0
     recovering: asyncio.Task[None] | None = None
+    quarantined: bool = False  # tainted and its bindings aborted; waiting for recovery
+    seen_down: bool = False  # (external replicas) the server was unreachable since quarantine
 
     @property
     def id(self) -> str:
@@ -437,8 +439,12 @@ class Updater:
     async def _check(self, m: ManagedReplica, rec: ReplicaRecord | None) -> None:
         if m.lock.locked() or (m.recovering is not None and not m.recovering.done()):
             return
-        if rec is not None and rec.state is S.TAINTED:
-            self._start_recovery(m, rec.reason or "tainted")
+        if (rec is not None and rec.state is S.TAINTED) or m.handle.lc.state is S.TAINTED:
+            reason = (rec.reason if rec is not None else "") or m.handle.lc.reason or "tainted"
+            if m.launcher is not None:
+                self._start_recovery(m, reason)
+            else:
+                await self._watch_external(m, reason)
             return
         if m.handle.lc.state is not S.READY:
             return
@@ -450,14 +456,27 @@ class Updater:
         m.misses += 1
         if not alive or m.misses >= self.settings.health_failures:
             why = "process exited" if not alive else f"/health failed {m.misses} times"
-            self._start_recovery(m, f"replica unhealthy: {why}")
+            reason = f"replica unhealthy: {why}"
+            if m.launcher is not None:
+                self._start_recovery(m, reason)
+            else:
+                await self._quarantine(m, reason)
 
-    def _start_recovery(self, m: ManagedReplica, reason: str) -> None:
-        m.recovering = asyncio.create_task(self._recover(m, reason), name=f"recover-{m.id}")
+    async def _watch_external(self, m: ManagedReplica, reason: str) -> None:
+        """A TAINTED replica this updater did not launch (Kubernetes, compose): an external
+        supervisor must replace the process (delete the pod). Once the server has been seen
+        down and then answers again, it is a fresh process: re-join it at the latest generation.
+        """
+        if not m.quarantined:
+            await self._quarantine(m, reason)
+        if not await m.handle.engine.health(timeout_s=self.settings.health_timeout_s):
+            m.seen_down = True
+        elif m.seen_down:
+            m.recovering = asyncio.create_task(self._recover(m, reason, restart=False),
+                                               name=f"rejoin-{m.id}")
 
-    async def _recover(self, m: ManagedReplica, reason: str) -> None:
-        """Taint, abort what was bound to it, restart it and re-join at the latest generation."""
-        t0 = time.monotonic()
+    async def _quarantine(self, m: ManagedReplica, reason: str) -> None:
+        """Taint (if not yet) and abort what is bound to it; idempotent."""
         async with m.lock:
             if m.handle.lc.state is not S.TAINTED:
                 await self.store.taint(m.id, reason, source="updater")
@@ -465,18 +484,33 @@ class Updater:
                 if self.metrics is not None:
                     self.metrics.taints.labels(m.id).inc()
             aborted = await self.store.abort_active(m.id, f"replica tainted: {reason}")
-            log.warning("replica %s tainted (%s); aborted %d rollouts", m.id, reason, len(aborted))
-            if not self.settings.recover or m.launcher is None:
-                return
+            if not m.quarantined:
+                log.warning("replica %s tainted (%s); aborted %d rollouts", m.id, reason,
+                            len(aborted))
+            m.quarantined, m.seen_down = True, False
+
+    def _start_recovery(self, m: ManagedReplica, reason: str) -> None:
+        m.recovering = asyncio.create_task(self._recover(m, reason), name=f"recover-{m.id}")
+
+    async def _recover(self, m: ManagedReplica, reason: str, *, restart: bool = True) -> None:
+        """Taint, abort what was bound to it, (re)start it fresh and re-join at the latest
+        generation (I6). ``restart=False``: the process was already replaced externally."""
+        t0 = time.monotonic()
+        await self._quarantine(m, reason)
+        if not self.settings.recover:
+            return
+        async with m.lock:
             m.misses = 0
             try:
                 await self.runner.start_recovery(m.handle, reason)
-                m.launcher.kill(signal.SIGKILL)  # fresh start; a hung (SIGSTOPped) one too
-                await m.launcher.restart()
+                if restart and m.launcher is not None:
+                    m.launcher.kill(signal.SIGKILL)  # fresh start; a hung (SIGSTOPped) one too
+                    await m.launcher.restart()
                 latest = await self.store.latest()
                 assert latest is not None
                 gen = await self.store.generation_record(latest[0].number)
                 await self._bootstrap(m, gen)
+                m.quarantined = False
                 result = "succeeded"
                 log.info("replica %s recovered in %.1fs", m.id, time.monotonic() - t0)
             except (RolloutPoolError, AssertionError) as e:

@@ -1,0 +1,31 @@
+"""A shorter run of ``bench/rolling_update_cpu.py``: 2 real vLLM CPU replicas, real Redis, the
+router as a process, the updater; rolling updates under mixed load, a hung transfer, a SIGKILLed
+router, and the unsafe negative control that shows the cross-generation check can fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.rolling_update_cpu import Params, scenario
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(900)
+async def test_rolling_updates_never_cross_generations(tmp_path: Path) -> None:
+    p = Params(rollouts=150, generations=2, concurrency=4, steady_s=3.0, gap_s=1.0,
+               transfer_deadline_s=3.0)
+    r = await scenario(p, tmp_path)
+    assert r["rollouts"] >= 150 and r["rollouts_by_kind"]["session"] > 0
+    assert r["updates"] >= 2
+    assert r["cross_generation"] == 0, r["cross_generation_ids"]
+    assert r["min_admitting_replicas"] >= 1 and r["admitting_samples"] > 50
+    assert r["leaked_bindings"] == 0
+    stuck = r["faults"]["stuck_transfer"]
+    assert stuck["r1_outcome"] == "tainted" and stuck["recovered"]
+    assert stuck["tainted_after_s"] is not None
+    assert stuck["tainted_after_s"] <= stuck["deadline_s"] + 1.0
+    assert r["faults"]["router_kill"]["orphans_left"] == 0
+    assert r["unsafe_keep_mode"]["cross_generation"] > 0, "the check must be able to fail"
