@@ -7,7 +7,8 @@ Routes (all JSON; errors are ``{"error": {"code", "message", ...}}``):
   preflight (missing path, wrong names/shapes/dtypes) → 422 ``preflight_failed``, nothing queued.
 * ``GET /v1/updates/{id}`` (admin) — the record with each replica's outcome, phases and timings.
 * ``GET /v1/updates`` (admin) — the newest records, newest first (``?limit=``, max 1000).
-* ``GET /v1/pool`` — replicas, states, generations; ``GET /healthz``; ``GET /metrics``.
+* ``GET /v1/pool`` — replicas, states, generations; ``GET /healthz``; ``GET /metrics``;
+  ``GET /openapi.json`` (:mod:`updater.openapi`).
 
 Admin routes need ``Authorization: Bearer <admin_token>`` (401 without, 403 with another
 token; tokens compared in constant time). With no admin token configured they answer 403.
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 
 from pool.errors import NotFound, PreflightFailed, RolloutPoolError, StoreUnavailable
 from pool.metrics import UpdaterMetrics
+from updater.openapi import document
 from updater.service import Updater, UpdateRequest
 from updater.settings import UpdaterSettings
 
@@ -35,7 +37,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 UPDATER = web.AppKey("updater", Updater)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 METRICS = web.AppKey("metrics", UpdaterMetrics)
-PUBLIC = frozenset({"/healthz", "/metrics", "/v1/pool"})
+PUBLIC = frozenset({"/healthz", "/metrics", "/v1/pool", "/openapi.json"})
 MAX_BODY = 1 << 20
 
 
@@ -149,6 +151,10 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(document())
+
+
 def create_app(updater: Updater, settings: UpdaterSettings,
                registry: CollectorRegistry | None = None) -> web.Application:
     """The API around a constructed :class:`Updater`. The caller starts/stops the updater
@@ -164,6 +170,7 @@ def create_app(updater: Updater, settings: UpdaterSettings,
     app.router.add_get("/v1/pool", pool_view)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 

@@ -1,0 +1,35 @@
+"""The updater's OpenAPI document matches its routes, and is a valid OpenAPI 3.1 document."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import schemathesis
+from safetensors.numpy import save_file
+
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from updater.app import create_app
+from updater.openapi import document
+from updater.service import Updater
+from updater.settings import ReplicaConfig, UpdaterSettings
+
+
+def test_document_matches_routes(tmp_path: Path) -> None:
+    save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    settings = UpdaterSettings(
+        replicas=[ReplicaConfig(id="r0", url="http://127.0.0.1:9", model=tmp_path)]
+    )
+    store = RedisStore.connect(StoreSettings(url="redis://127.0.0.1:9/0"))
+    app = create_app(Updater(settings, store), settings)
+    routes = {
+        (r.method.lower(), r.resource.canonical)
+        for r in app.router.routes()
+        if r.method != "HEAD" and r.resource is not None
+    }
+    doc = document()
+    documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
+    assert routes == documented
+    schema = schemathesis.openapi.from_dict(doc)
+    assert {op.ok().path for op in schema.get_all_operations()} == set(doc["paths"])
