@@ -36,7 +36,13 @@ from pydantic import BaseModel, Field, field_validator
 
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
-from pool.errors import PreflightFailed, RolloutPoolError, StaleFencingToken
+from pool.errors import (
+    PreflightFailed,
+    RolloutPoolError,
+    StaleFencingToken,
+    StoreConflict,
+    StoreUnavailable,
+)
 from pool.launcher import LocalReplica
 from pool.lifecycle import Lifecycle
 from pool.metrics import UpdaterMetrics
@@ -50,6 +56,9 @@ from updater.transports.reload import ReloadTransport
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+#: States only a running cycle may hold; found there with no cycle, a replica is orphaned.
+ORPHANABLE = frozenset({S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
+                        S.RESUMING, S.RECOVERING, S.UNINITIALIZED})
 
 
 # ---------------------------------------------------------------------- API models
@@ -199,14 +208,30 @@ class Updater:
         await self.lease.release()
 
     async def _keep_lease(self) -> None:
-        try:
-            await self.lease.keep_alive()
-        except StaleFencingToken:
-            log.error("updater lease lost: this updater stops acting")
-            self.lost.set()
-            for t in self._tasks:
-                if t is not asyncio.current_task():
-                    t.cancel()
+        """Renew the lease every third of its TTL. While Redis is unreachable, retry every
+        second (nothing else can proceed meanwhile either). If the lease expired and nobody took
+        it, take it again (a new fencing token); if another updater holds it, stop acting."""
+        interval = self.store.settings.updater_lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            while True:
+                try:
+                    await self.lease.extend()
+                    break
+                except StoreUnavailable:
+                    await asyncio.sleep(1.0)
+                except StaleFencingToken:
+                    try:
+                        token = await self.lease.acquire(blocking_timeout_s=0)
+                        log.warning("updater lease had expired; re-acquired (token %d)", token)
+                        break
+                    except (StoreConflict, StoreUnavailable):
+                        log.error("updater lease lost to another updater: this one stops acting")
+                        self.lost.set()
+                        for t in self._tasks:
+                            if t is not asyncio.current_task():
+                                t.cancel()
+                        return
 
     # ------------------------------------------------------------------ joining
 
@@ -434,7 +459,10 @@ class Updater:
                 log.warning("supervisor: store unavailable: %s", e)
                 continue
             checks = [self._check(m, records.get(m.id)) for m in self.replicas.values()]
-            await asyncio.gather(*checks)
+            for m, res in zip(self.replicas.values(), await asyncio.gather(
+                    *checks, return_exceptions=True), strict=True):
+                if isinstance(res, Exception):  # e.g. Redis went away mid-check: next round
+                    log.warning("supervisor: check of %s failed: %r", m.id, res)
 
     async def _check(self, m: ManagedReplica, rec: ReplicaRecord | None) -> None:
         if m.lock.locked() or (m.recovering is not None and not m.recovering.done()):
@@ -445,6 +473,14 @@ class Updater:
                 self._start_recovery(m, reason)
             else:
                 await self._watch_external(m, reason)
+            return
+        if rec is not None and rec.state in ORPHANABLE and rec.state is not m.handle.lc.state:
+            # the store and this updater disagree and no cycle runs on it (e.g. a step was cut
+            # off by a Redis outage): its engine state is unknown -> taint and recover
+            await self._orphaned(m, f"left in {rec.state} with no cycle running")
+            return
+        if m.handle.lc.state in ORPHANABLE:
+            await self._orphaned(m, f"left in {m.handle.lc.state} with no cycle running")
             return
         if m.handle.lc.state is not S.READY:
             return
@@ -488,6 +524,14 @@ class Updater:
                 log.warning("replica %s tainted (%s); aborted %d rollouts", m.id, reason,
                             len(aborted))
             m.quarantined, m.seen_down = True, False
+
+    async def _orphaned(self, m: ManagedReplica, reason: str) -> None:
+        m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason)
+        await self.store.taint(m.id, reason, source="updater")
+        if m.launcher is not None:
+            self._start_recovery(m, reason)
+        else:
+            await self._quarantine(m, reason)
 
     def _start_recovery(self, m: ManagedReplica, reason: str) -> None:
         m.recovering = asyncio.create_task(self._recover(m, reason), name=f"recover-{m.id}")
