@@ -100,7 +100,8 @@ def marker(g: int) -> Path:
     return ensure_model("marker", token_id=marker_token(g))
 
 
-def start_router(port: int, redis_url: str, lease_s: float) -> subprocess.Popen[bytes]:
+def start_router(port: int, redis_url: str, lease_s: float,
+                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.update({
         "ROLLOUTPOOL_ROUTER_PORT": str(port),
@@ -111,6 +112,7 @@ def start_router(port: int, redis_url: str, lease_s: float) -> subprocess.Popen[
         "ROLLOUTPOOL_ROUTER_LOG_LEVEL": "WARNING",
         "ROLLOUTPOOL_REDIS_URL": redis_url,
         "ROLLOUTPOOL_REDIS_NAMESPACE": NAMESPACE,
+        **(extra_env or {}),
     })
     return subprocess.Popen([sys.executable, "-m", "router"], env=env, start_new_session=True)
 

@@ -28,7 +28,8 @@ class RedisServer:
     """A ``redis-server`` child process on 127.0.0.1.
 
     ``start()`` blocks until the server answers PING (or raises with its log tail);
-    ``stop()`` is idempotent. ``password`` enables ``requirepass``.
+    ``stop()`` is idempotent. ``password`` alone enables ``requirepass``; with ``username`` it
+    creates that ACL user (all keys, channels and commands) and disables the default user.
     """
 
     def __init__(
@@ -37,11 +38,13 @@ class RedisServer:
         port: int = 0,
         password: str | None = None,
         appendonly: bool = True,
+        username: str | None = None,
         extra: list[str] | None = None,
     ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
         self.password = password
+        self.username = username
         self.appendonly = appendonly
         self.extra = extra or []
         self.proc: subprocess.Popen[bytes] | None = None
@@ -71,7 +74,10 @@ class RedisServer:
             "--daemonize", "no",
             *self.extra,
         ]  # fmt: skip
-        if self.password:
+        if self.username and self.password:
+            argv += ["--user", "default", "off",
+                     "--user", self.username, "on", f">{self.password}", "~*", "&*", "+@all"]
+        elif self.password:
             argv += ["--requirepass", self.password]
         self.proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -89,7 +95,8 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 if self.password:
-                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    user = f"{self.username} " if self.username else ""
+                    s.sendall(f"AUTH {user}{self.password}\r\n".encode())
                     s.recv(64)
                 s.sendall(b"PING\r\n")
                 return s.recv(64).startswith(b"+PONG")

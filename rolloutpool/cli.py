@@ -94,6 +94,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.config is None:
         config = config.model_copy(update={
             "model_init_std": 0.02,  # a near-uniform policy: room to learn
+            "fresh": True,  # every demo starts from generation 0
             "workdir": config.workdir.parent / "demo",
             "router_port": args.router_port,
             "updater_port": args.updater_port,

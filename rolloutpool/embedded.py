@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ class PoolConfig(BaseModel):
     """``rolloutpool up`` configuration (YAML). ``redis_url`` None = embedded redis-server."""
 
     workdir: Path = Field(default_factory=lambda: default_cache_root() / "pool")
+    fresh: bool = False  # wipe the embedded Redis data and checkpoints of earlier runs first
     redis_url: str | None = None
     namespace: str = "rp"
     model: Path | None = None  # None: the tiny model built locally (seed 1)
@@ -74,6 +76,9 @@ class EmbeddedPool:
 
     async def start(self) -> EmbeddedPool:
         c = self.config
+        if c.fresh:
+            for sub in ("redis", "ckpts"):
+                await asyncio.to_thread(shutil.rmtree, c.workdir / sub, True)
         c.workdir.mkdir(parents=True, exist_ok=True)
         if c.redis_url is None:
             self.say("starting redis-server (AOF, appendfsync everysec)")
