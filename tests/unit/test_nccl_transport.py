@@ -1,0 +1,535 @@
+"""The ``nccl`` transport without a GPU: what can be checked on a CPU machine.
+
+The real data path (vLLM's trainer helpers, NCCL, a ``vllm serve`` on a GPU) runs in
+``tests/gpu`` and ``bench/gpu_update.py``. Here the server is faked at the HTTP seam
+(``httpx.MockTransport``, the same routes and blocking behaviour as vLLM 0.26's dev routes) and
+the trainer side by a fake *sender* (the object that would call vLLM's helpers). That covers the
+transport's own logic: refusals before any HTTP call, version dispatch, configuration, the
+handshake order and bodies, group reuse, and what a stuck or failing collective does (bounded by
+the watchdog, group abandoned, a new port next time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from pool.checkpoint import read_manifest
+from pool.engine import VllmEngine
+from pool.errors import AmbiguousMutation, DeadlineExceeded, NoMutation, PreflightFailed
+from pool.types import Manifest, TensorSpec, WeightIdentity
+from updater.transports.base import WeightsTarget
+from updater.transports.nccl import (
+    CheckpointSource,
+    HttpStepError,
+    HttpWeightSyncClient,
+    ModuleSource,
+    NcclConfig,
+    NcclTransport,
+    Packing,
+    ProcessSender,
+    SourceSpec,
+    WeightSource,
+    api_family,
+    check_versions,
+)
+from updater.watchdog import bounded
+
+SPECS = [
+    TensorSpec(name="model.embed_tokens.weight", shape=(64, 8), dtype="bfloat16"),
+    TensorSpec(name="model.layers.0.self_attn.q_proj.weight", shape=(8, 8), dtype="bfloat16"),
+    TensorSpec(name="model.norm.weight", shape=(8,), dtype="bfloat16"),
+]
+NBYTES = (64 * 8 + 8 * 8 + 8) * 2
+
+
+class SpecSource(WeightSource):
+    """A source that only declares parameters (the fake sender never iterates it)."""
+
+    def __init__(self, specs: list[TensorSpec] | None = None) -> None:
+        self._specs = list(SPECS if specs is None else specs)
+
+    def specs(self) -> list[TensorSpec]:
+        return list(self._specs)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        raise AssertionError("the fake sender never iterates")
+
+
+class Boom(WeightSource):
+    """Built by the sending child in the ProcessSender test; its ``prepare`` raises."""
+
+    def specs(self) -> list[TensorSpec]:
+        return []
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(())
+
+
+class FakeSender:
+    """Stands in for vLLM's trainer helpers: joins when the server's init arrives, 'sends' when
+    the server's update arrives; ``hang`` makes the send block until the group is abandoned
+    (as ncclCommAbort unblocks a stuck broadcast)."""
+
+    def __init__(self, server: FakeServer, hang: bool = False) -> None:
+        self.server, self.hang = server, hang
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.abandoned: list[str] = []
+        self.unblock = threading.Event()
+
+    def call(self, op: str, *args: Any) -> Any:
+        self.calls.append((op, args))
+        if op == "static_init":
+            assert self.server.init_seen.wait(5), "server never got the init"
+            return 0.01
+        if op == "static_send":
+            if self.hang:
+                self.unblock.wait(30)
+                raise RuntimeError("communicator aborted")
+            assert self.server.update_seen.wait(5), "server never got the update"
+            self.server.data_sent.set()
+            return {"send_s": 0.01, "send_enqueue_s": 0.005}
+        if op == "factory_init":
+            return 0.0
+        if op == "factory_send":
+            return {"send_s": 0.02}
+        return None
+
+    def ops(self) -> list[str]:
+        return [op for op, _ in self.calls]
+
+    def abandon(self, key: str) -> None:
+        self.abandoned.append(key)
+        self.unblock.set()
+
+    def close(self) -> None:
+        self.unblock.set()
+
+
+class FakeServer:
+    """vLLM 0.26 dev routes at the HTTP seam, with the real blocking: init waits for the
+    trainer's join, update waits for the data (or forever when the sender hangs)."""
+
+    def __init__(self, version: str = "0.26.0", paused: bool = True,
+                 fail: dict[str, int] | None = None) -> None:
+        self.version, self.paused, self.fail = version, paused, fail or {}
+        self.requests: list[tuple[str, str, Any]] = []
+        self.init_seen, self.update_seen = threading.Event(), threading.Event()
+        self.data_sent, self.release = threading.Event(), threading.Event()
+
+    def paths(self) -> list[str]:
+        return [f"{m} {p}" for m, p, _ in self.requests]
+
+    def body(self, path: str) -> Any:
+        return next(b for _, p, b in self.requests if p == path)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((request.method, path, body))
+        if path in self.fail:
+            if path == "/update_weights":
+                self.update_seen.set()
+            return httpx.Response(self.fail[path], json={"error": "injected"})
+        if path == "/version":
+            return httpx.Response(200, json={"version": self.version})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "test"}]})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
+        if path == "/get_world_size":
+            return httpx.Response(200, json={"world_size": 1})
+        if path == "/init_weight_transfer_engine":
+            self.init_seen.set()
+            return httpx.Response(200, json={"message": "Weight transfer initialized"})
+        if path == "/update_weights":
+            self.update_seen.set()
+            if not self.data_sent.wait(5):  # the broadcast never came: vLLM would hang
+                self.release.wait(30)
+                return httpx.Response(500, json={"error": "released"})
+            return httpx.Response(200, json={"message": "Weights updated"})
+        return httpx.Response(200, json={"message": "ok"})
+
+
+def make(server: FakeServer, source: WeightSource | None = None, *, hang: bool = False,
+         local: str = "0.26.0", **cfg: Any) -> tuple[NcclTransport, VllmEngine, FakeSender]:
+    mock = httpx.MockTransport(server)
+    sender = FakeSender(server, hang=hang)
+    transport = NcclTransport(NcclConfig(**cfg), SpecSource() if source is None else source,
+                              sender_impl=sender, http_transport=mock, local_version=local)
+    engine = VllmEngine("http://replica.test", timeout=5.0, transport=mock)
+    return transport, engine, sender
+
+
+def target(specs: list[TensorSpec] | None = None, path: Path = Path("/in-process"),
+           digest: str | None = None) -> WeightsTarget:
+    m = Manifest.of(SPECS if specs is None else specs)
+    ident = WeightIdentity(manifest_digest=digest or m.digest, checkpoint_uri=str(path), step=1)
+    return WeightsTarget(identity=ident, path=path, expected_manifest=Manifest.of(SPECS))
+
+
+# ------------------------------------------------------------------------------ pure parts
+
+
+def test_module_imports_without_torch_or_vllm() -> None:
+    code = ("import sys, updater.transports.nccl; "
+            "bad = [m for m in ('torch', 'vllm', 'safetensors.torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_version_dispatch() -> None:
+    assert api_family((0, 26, 0)) == "static"
+    assert api_family((0, 27, 3)) == "static"
+    assert api_family((0, 28, 0)) == "factory"
+    assert api_family((0, 33, 1)) == "factory"
+    with pytest.raises(PreflightFailed):
+        api_family((0, 25, 9))
+    assert check_versions((0, 26, 0), (0, 26, 0), same_minor=True) == "static"
+    assert check_versions((0, 32, 0), (0, 32, 1), same_minor=True) == "factory"
+    assert check_versions((0, 26, 0), (0, 27, 0), same_minor=False) == "static"
+    with pytest.raises(PreflightFailed, match="same_vllm_minor"):
+        check_versions((0, 26, 0), (0, 27, 0), same_minor=True)
+    with pytest.raises(PreflightFailed, match="different weight-transfer APIs"):
+        check_versions((0, 27, 0), (0, 28, 0), same_minor=False)
+    with pytest.raises(PreflightFailed, match="no vllm"):
+        check_versions((0, 26, 0), None, same_minor=False)
+
+
+def test_config_validation_and_ports() -> None:
+    c = NcclConfig(master_port=30000, replica_ports={"http://b:8000/": 31000}, port_stride=10)
+    assert c.port_for("http://a:8000", 0, 0) == 30000
+    assert c.port_for("http://c:8000", 2, 0) == 30002
+    assert c.port_for("http://b:8000", 1, 0) == 31000  # explicit, trailing slash normalised
+    assert c.port_for("http://b:8000", 1, 3) == 31030  # a new port per abandoned group
+    with pytest.raises(ValueError):
+        c.port_for("http://a:8000", 0, c.max_incarnations)
+    with pytest.raises(ValueError, match="out of range"):
+        NcclConfig(master_port=65530, port_stride=100).port_for("http://a", 0, 1)
+    for bad in ({"master_port": 80}, {"master_address": ""}, {"device": "cpu"},
+                {"replica_ports": {"http://a": 30000, "http://b": 30000}},
+                {"replica_ports": {"http://a": 99}}, {"init_timeout_s": 0},
+                {"packing": {"buffer_bytes": 0}}, {"packing": {"num_buffers": 0}},
+                {"unknown": 1}):
+        with pytest.raises(ValidationError):
+            NcclConfig(**bad)
+
+
+def test_module_source_reads_named_parameters() -> None:
+    class T:
+        def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+            self.shape, self.dtype, self.detached = shape, dtype, False
+
+        def detach(self) -> T:
+            self.detached = True
+            return self
+
+    params = [("a.weight", T((4, 2), "torch.bfloat16")), ("b.bias", T((4,), "torch.float32"))]
+
+    class Module:
+        def named_parameters(self) -> list[tuple[str, T]]:
+            return params
+
+    src = ModuleSource(Module())
+    assert src.specs() == [TensorSpec(name="a.weight", shape=(4, 2), dtype="bfloat16"),
+                           TensorSpec(name="b.bias", shape=(4,), dtype="float32")]
+    assert src.nbytes() == 4 * 2 * 2 + 4 * 4
+    assert [n for n, t in src if t.detached] == ["a.weight", "b.bias"]
+    assert ModuleSource(lambda: params).specs() == src.specs()
+    with pytest.raises(TypeError):
+        ModuleSource(42)
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> None:
+    """A minimal safetensors file (header + zero bytes), in the given order, no torch needed."""
+    header: dict[str, Any] = {}
+    off = 0
+    for name, dtype, shape in tensors:
+        n = 2 * max(1, int(__import__("math").prod(shape)))
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(dict(sorted(header.items()))).encode()  # JSON order != data order
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(off))
+
+
+def test_checkpoint_source_order_and_service_mode_refusals(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_safetensors(ckpt / "model.safetensors", [
+        ("model.embed_tokens.weight", "BF16", [64, 8]),
+        ("model.layers.0.self_attn.q_proj.weight", "BF16", [8, 8]),
+        ("model.norm.weight", "BF16", [8])])
+    src = CheckpointSource(ckpt)
+    assert [s.name for s in src.specs()] == [s.name for s in SPECS]  # file (offset) order
+    assert src.manifest() == read_manifest(ckpt) == Manifest.of(SPECS)
+    assert src.spec() == SourceSpec("updater.transports.nccl:CheckpointSource",
+                                    (("path", str(ckpt)), ("device", "cuda:0")))
+
+    server = FakeServer()
+    transport, _engine, _ = make(server, local="0.26.0")
+    transport.source = None  # service mode: the target's checkpoint
+    ok = WeightsTarget(identity=WeightIdentity(manifest_digest=Manifest.of(SPECS).digest,
+                                               checkpoint_uri=str(ckpt)),
+                       path=ckpt, expected_manifest=Manifest.of(SPECS))
+    assert transport._check_manifest(ok)[1] == src.specs()
+    for bad, match in [
+        (WeightsTarget(identity=ok.identity, path=tmp_path / "missing",
+                       expected_manifest=ok.expected_manifest), "does not exist"),
+        (WeightsTarget(identity=ok.identity, path=Path("rel"),
+                       expected_manifest=ok.expected_manifest), "absolute"),
+        (WeightsTarget(identity=ok.identity.model_copy(update={"checkpoint_uri": "/other"}),
+                       path=ckpt, expected_manifest=ok.expected_manifest), "checkpoint_uri"),
+    ]:
+        with pytest.raises(PreflightFailed, match=match):
+            transport._check_manifest(bad)
+    assert server.requests == []
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("specs", [
+    [*SPECS[:2], TensorSpec(name="model.norm.weight", shape=(9,), dtype="bfloat16")],
+    [*SPECS[:2], TensorSpec(name="model.norm.weight", shape=(8,), dtype="float32")],
+    SPECS[:2],
+    [*SPECS, TensorSpec(name="lm_head.weight", shape=(64, 8), dtype="bfloat16")],
+    [*SPECS, SPECS[0]],
+], ids=["shape", "dtype", "missing", "extra", "duplicate"])
+async def test_manifest_mismatch_is_refused_before_any_http_call(specs: list[TensorSpec]
+                                                                 ) -> None:
+    server = FakeServer()
+    transport, engine, sender = make(server, SpecSource(specs))
+    with pytest.raises(PreflightFailed):
+        await transport.preflight(engine, target())
+    with pytest.raises(PreflightFailed):
+        await transport.transfer(engine, target())
+    assert server.requests == [] and sender.calls == []
+    await engine.aclose()
+
+
+async def test_identity_and_version_refusals() -> None:
+    server = FakeServer()
+    transport, engine, sender = make(server)
+    with pytest.raises(PreflightFailed, match="identity mismatch"):
+        await transport.transfer(engine, target(digest="sha256:not-this-one"))
+    assert server.requests == []
+    for local, version in (("0.28.0", "0.26.0"), ("0.26.0", "0.27.0")):
+        server = FakeServer(version=version)
+        transport, engine, sender = make(server, local=local)
+        with pytest.raises(PreflightFailed):
+            await transport.preflight(engine, target())
+        with pytest.raises(PreflightFailed):
+            await transport.transfer(engine, target())
+        assert {p for p in server.paths()} <= {"GET /version", "GET /v1/models"}
+        assert sender.calls == []
+        await engine.aclose()
+
+
+async def test_unpaused_engine_is_no_mutation() -> None:
+    server = FakeServer(paused=False)
+    transport, engine, sender = make(server)
+    with pytest.raises(NoMutation, match="not paused"):
+        await transport.transfer(engine, target())
+    assert "POST /start_weight_update" not in server.paths() and sender.calls == []
+    await engine.aclose()
+
+
+async def test_refused_group_init_is_no_mutation_and_moves_the_port() -> None:
+    server = FakeServer(fail={"/init_weight_transfer_engine": 400})
+    server.init_seen.set()  # let the fake trainer 'join'
+    transport, engine, _sender = make(server, master_port=30000, port_stride=10)
+    with pytest.raises(NoMutation, match="refused"):
+        await transport.transfer(engine, target())
+    assert "POST /start_weight_update" not in server.paths()
+    assert server.body("/init_weight_transfer_engine")["init_info"]["master_port"] == 30000
+    server.fail.clear()
+    await transport.transfer(engine, target())
+    ports = [b["init_info"]["master_port"] for _, p, b in server.requests
+             if p == "/init_weight_transfer_engine"]
+    assert ports == [30000, 30010]
+    await engine.aclose()
+
+
+# ------------------------------------------------------------------------------ the handshake
+
+
+async def test_static_handshake_order_bodies_and_group_reuse() -> None:
+    server = FakeServer()
+    transport, engine, sender = make(
+        server, master_address="10.0.0.5", master_port=30100,
+        packing=Packing(buffer_bytes=256 << 20, num_buffers=4))
+    await transport.preflight(engine, target())
+    assert server.paths() == ["GET /version", "GET /v1/models"]  # read-only
+    ev = await transport.transfer(engine, target())
+    assert ev.ok and ev.transport == "nccl" and ev.bytes == NBYTES
+    assert ev.identity_digest == target().identity.digest
+    assert server.paths()[2:] == [
+        "GET /is_paused", "GET /get_world_size", "POST /init_weight_transfer_engine",
+        "POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update"]
+    init = server.body("/init_weight_transfer_engine")["init_info"]
+    assert init == {"master_address": "10.0.0.5", "master_port": 30100, "rank_offset": 1,
+                    "world_size": 2}
+    upd = server.body("/update_weights")["update_info"]
+    assert upd == {"names": [s.name for s in SPECS], "dtype_names": ["bfloat16"] * 3,
+                   "shapes": [[64, 8], [8, 8], [8]], "packed": True,
+                   "packed_buffer_size_bytes": 256 << 20, "packed_num_buffers": 4}
+    key = "http://replica.test#0"
+    assert sender.calls[0] == ("static_init", (key, "10.0.0.5", 30100, 2))
+    assert sender.calls[1][0] == "static_send" and sender.calls[1][1][0] == key
+    assert sender.calls[1][1][2] == transport.packing
+    detail = json.loads(ev.detail)
+    assert detail["family"] == "static" and detail["world_size"] == 2
+    assert transport.last["http://replica.test"]["step"] == "done"
+
+    # the second transfer reuses the group: no init, same key
+    server.requests.clear()
+    server.update_seen.clear()
+    server.data_sent.clear()
+    await transport.transfer(engine, target())
+    assert "POST /init_weight_transfer_engine" not in server.paths()
+    assert sender.ops() == ["static_init", "static_send", "static_send"]
+    assert sender.abandoned == []
+    await engine.aclose()
+
+
+async def test_stuck_collective_is_bounded_by_the_watchdog_and_abandoned() -> None:
+    server = FakeServer()
+    transport, engine, sender = make(server, hang=True, master_port=30200, port_stride=7)
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await bounded("transfer", transport.transfer(engine, target()), 1.0, mutating=True)
+    took = time.monotonic() - t0
+    assert took < 3.0, took
+    await asyncio.sleep(0.05)  # the watchdog cancels and moves on; the task unwinds next tick
+    assert sender.abandoned == ["http://replica.test#0"]
+    assert transport.last["http://replica.test"]["step"] == "update"
+
+    # the next transfer (after the replica's recovery) builds a new group on a new port
+    sender.hang = False
+    fresh = FakeServer()
+    transport._http_transport = httpx.MockTransport(fresh)
+    sender.server = fresh
+    engine2 = VllmEngine("http://replica.test", timeout=5.0,
+                         transport=httpx.MockTransport(fresh))
+    await transport.transfer(engine2, target())
+    assert fresh.body("/init_weight_transfer_engine")["init_info"]["master_port"] == 30207
+    server.release.set()
+    await engine.aclose()
+    await engine2.aclose()
+
+
+async def test_failed_update_is_ambiguous_and_ends_before_the_deadline() -> None:
+    server = FakeServer(fail={"/update_weights": 500})
+    transport, engine, sender = make(server, hang=True)
+    t0 = time.monotonic()
+    with pytest.raises(AmbiguousMutation, match="update_weights"):
+        await bounded("transfer", transport.transfer(engine, target()), 30.0, mutating=True)
+    assert time.monotonic() - t0 < 5.0
+    assert sender.abandoned == ["http://replica.test#0"]
+    assert "POST /finish_weight_update" not in server.paths()
+    await engine.aclose()
+
+
+async def test_forget_abandons_the_group() -> None:
+    server = FakeServer()
+    transport, engine, sender = make(server, master_port=30300, port_stride=5)
+    await transport.transfer(engine, target())
+    transport.forget("http://replica.test/")
+    assert sender.abandoned == ["http://replica.test#0"]
+    server.update_seen.clear()
+    server.data_sent.clear()
+    await transport.transfer(engine, target())
+    ports = [b["init_info"]["master_port"] for _, p, b in server.requests
+             if p == "/init_weight_transfer_engine"]
+    assert ports == [30300, 30305]
+    await engine.aclose()
+
+
+async def test_factory_api_for_028_and_later() -> None:
+    server = FakeServer(version="0.28.0")
+    transport, engine, sender = make(server, local="0.28.0", master_port=30400)
+    ev = await transport.transfer(engine, target())
+    assert ev.ok and json.loads(ev.detail)["family"] == "factory"
+    assert sender.ops() == ["factory_init", "factory_send"]
+    key, addr, port, ws, packing, client = sender.calls[0][1]
+    assert (key, addr, port, ws, packing) == ("http://replica.test#0", "127.0.0.1", 30400, 2,
+                                              transport.packing)
+    assert isinstance(client, HttpWeightSyncClient) and client.base_url == "http://replica.test"
+    # vLLM's engine drives start/update/finish through the client: the transport sends none
+    assert not {"POST /start_weight_update", "POST /update_weights"} & set(server.paths())
+    # packing rides the init info from 0.28 on: a new packing means a new group
+    await transport.transfer(engine, target())
+    transport.packing = Packing(buffer_bytes=512 << 20)
+    await transport.transfer(engine, target())
+    assert sender.ops() == ["factory_init", "factory_send", "factory_send", "factory_init",
+                            "factory_send"]
+    assert sender.abandoned == ["http://replica.test#0"]
+    await engine.aclose()
+
+
+def test_http_sync_client_routes_and_errors() -> None:
+    seen: list[tuple[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        seen.append((request.url.path, body))
+        if request.url.path == "/finish_weight_update" and body:
+            return httpx.Response(422, json={"detail": "bad"})
+        if request.url.path == "/update_weights":
+            return httpx.Response(500, json={"error": "boom"})
+        return httpx.Response(200, json={"message": "ok"})
+
+    c = HttpWeightSyncClient("http://x/", transport=httpx.MockTransport(handler))
+    c.init_weight_transfer_engine({"master_port": 1})
+    c.start_weight_update()
+    c.finish_weight_update()
+    with pytest.raises(HttpStepError) as e:
+        c.update_weights({"names": []})
+    assert e.value.status == 500 and not e.value.refused
+    with pytest.raises(HttpStepError) as e:
+        c.finish_weight_update("v1")
+    assert e.value.refused
+    assert seen == [("/init_weight_transfer_engine", {"init_info": {"master_port": 1}}),
+                    ("/start_weight_update", None), ("/finish_weight_update", None),
+                    ("/update_weights", {"update_info": {"names": []}}),
+                    ("/finish_weight_update", {"weight_version": "v1"})]
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    c = HttpWeightSyncClient("http://x", transport=httpx.MockTransport(refuse))
+    with pytest.raises(HttpStepError) as e:
+        c.start_weight_update()
+    assert e.value.refused and not e.value.sent
+
+
+def test_process_sender_reports_errors_and_restarts_after_kill() -> None:
+    sender = ProcessSender("cuda:0")
+    try:
+        spec = SourceSpec(f"{__name__}:Boom")
+        assert sender.call("source", spec).specs() == []  # built in the child, sent back
+        pid, epoch = sender.pid, sender.epoch
+        with pytest.raises(RuntimeError, match="sender process: source: ModuleNotFound"):
+            sender.call("source", SourceSpec("no_such_module_here:X"))
+        sender.abandon("any")  # kills the child with every group it held
+        assert sender.call("source", spec).specs() == []
+        assert sender.pid != pid and sender.epoch == epoch + 1
+    finally:
+        sender.close()
+
+
+def test_process_sender_needs_a_rebuildable_source() -> None:
+    with pytest.raises(ValueError, match="spec"):
+        NcclTransport(NcclConfig(), SpecSource(), sender="process")
