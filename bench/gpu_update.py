@@ -229,23 +229,23 @@ async def tf_check(trainer: Trainer, url: str, salt: str) -> dict[str, Any]:
 
 
 def make_runner(store: Any, lease: Any, transport: Any, trainer: Trainer, deadlines: Any) -> Any:
+    """A CycleRunner whose validation step is the teacher-forced check (see module doc)."""
     from updater.cycle import CycleRunner
 
-    class TeacherForcedRunner(CycleRunner):
-        """CycleRunner whose validation step is the teacher-forced check (see module doc)."""
+    checks: list[dict[str, Any]] = []
 
-        checks: list[dict[str, Any]] = []
+    async def teacher_forced(h: Any, gen: Generation, probe: Any) -> ValidationEvidence:
+        await h.engine.resume()
+        res = await tf_check(trainer, h.engine.url, gen.label)
+        res["replica"] = h.replica_id
+        checks.append(res)
+        ok = res["ok"] and trainer.generation == gen.number
+        return ValidationEvidence(gen, LabelEvidence(False, None), (1,), (1,) if ok else (0,),
+                                  detail=json.dumps(res))
 
-        async def _validate(self, h: Any, gen: Generation, probe: Any) -> ValidationEvidence:
-            await h.engine.resume()
-            res = await tf_check(trainer, h.engine.url, gen.label)
-            res["replica"] = h.replica_id
-            self.checks.append(res)
-            ok = res["ok"] and trainer.generation == gen.number
-            return ValidationEvidence(gen, LabelEvidence(False, None), (1,), (1,) if ok else (0,),
-                                      detail=json.dumps(res))
-
-    return TeacherForcedRunner(store, lease, transport, deadlines=deadlines)
+    runner = CycleRunner(store, lease, transport, deadlines=deadlines, validator=teacher_forced)
+    runner.checks = checks  # type: ignore[attr-defined]
+    return runner
 
 
 # ------------------------------------------------------------------------------ environment

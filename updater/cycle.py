@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -107,6 +108,9 @@ class ReplicaHandle:
     lc: Lifecycle = field(default_factory=Lifecycle)
 
 
+Validator = Callable[["ReplicaHandle", Generation, "Probe"], Awaitable[ValidationEvidence]]
+
+
 @dataclass
 class CycleReport:
     replica_id: str
@@ -175,6 +179,7 @@ class CycleRunner:
         drain_policy: DrainPolicy = DrainPolicy.WAIT,
         drain_timeout_s: float = 300.0,
         drain_poll_s: float = 0.02,
+        validator: Validator | None = None,
     ) -> None:
         self.store = store
         self.lease = lease
@@ -183,6 +188,10 @@ class CycleRunner:
         self.drain_policy = drain_policy
         self.drain_timeout_s = drain_timeout_s
         self.drain_poll_s = drain_poll_s
+        #: Produces the ValidationEvidence of a replica that already holds the new weights and
+        #: has its caches reset; admissions stay closed. Default: :meth:`probe_validate` (label +
+        #: greedy probe). A GPU harness on bf16 weights plugs in a teacher-forced log-prob check.
+        self.validate: Validator = validator or self.probe_validate
 
     # ------------------------------------------------------------------ commits
 
@@ -308,7 +317,7 @@ class CycleRunner:
                 await self.commit(h, reset)
             step = "validate"
             with timer("validate"):
-                valid = await bounded("validate", self._validate(h, t.generation, t.probe),
+                valid = await bounded("validate", self.validate(h, t.generation, t.probe),
                                       d.validate_s, mutating=True)
                 await self.commit(h, valid)
             step = "resume"
@@ -347,8 +356,8 @@ class CycleRunner:
                 )
             await asyncio.sleep(self.drain_poll_s)
 
-    async def _validate(self, h: ReplicaHandle, gen: Generation, probe: Probe
-                        ) -> ValidationEvidence:
+    async def probe_validate(self, h: ReplicaHandle, gen: Generation, probe: Probe
+                             ) -> ValidationEvidence:
         """Label, resume (admissions stay closed), probe, read the label back."""
         caps = h.engine.capabilities
         if caps.labels:
@@ -405,7 +414,7 @@ class CycleRunner:
                     raise LifecycleError(f"cache reset not proven: {reset.detail}")
             step = "validate"
             with timer("validate"):
-                valid = await bounded("validate", self._validate(h, generation, probe),
+                valid = await bounded("validate", self.validate(h, generation, probe),
                                       d.validate_s, mutating=True)
             ev_boot = BootstrapEvidence(generation, identity.digest, caps.version, valid,
                                         completion_ok=True)

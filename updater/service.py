@@ -52,6 +52,7 @@ from updater import plan
 from updater.cycle import CycleError, CycleReport, CycleRunner, Probe, ReplicaHandle, UpdateTarget
 from updater.settings import ReplicaConfig, UpdaterSettings
 from updater.transports.base import Transport, WeightsTarget
+from updater.transports.nccl import NcclTransport
 from updater.transports.reload import ReloadTransport
 
 log = logging.getLogger(__name__)
@@ -153,10 +154,13 @@ class Updater:
         self.metrics = metrics
         self.coalesce = coalesce
         self.lease: UpdaterLease = store.updater_lease(f"updater-{uuid.uuid4().hex[:8]}")
+        if transport is None:
+            transport = (NcclTransport(settings.nccl) if settings.transport == "nccl"
+                         else ReloadTransport())
         self.runner = CycleRunner(
             store,
             self.lease,
-            transport or ReloadTransport(),
+            transport,
             deadlines=settings.deadlines,
             drain_policy=settings.drain_policy,
             drain_timeout_s=settings.drain_timeout_s,
@@ -550,6 +554,7 @@ class Updater:
                 if restart and m.launcher is not None:
                     m.launcher.kill(signal.SIGKILL)  # fresh start; a hung (SIGSTOPped) one too
                     await m.launcher.restart()
+                self.runner.transport.forget(m.handle.engine.url)  # a fresh process
                 latest = await self.store.latest()
                 assert latest is not None
                 gen = await self.store.generation_record(latest[0].number)

@@ -6,12 +6,14 @@ Built once in ``__main__`` (or by the CLI) and passed down; nothing else reads t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pool.launcher import ReplicaSpec
 from updater.cycle import Deadlines, DrainPolicy
+from updater.transports.nccl import NcclConfig
 
 
 class ReplicaConfig(BaseModel):
@@ -48,6 +50,12 @@ class UpdaterSettings(BaseSettings):
     port: int = Field(default=8300, ge=0, le=65535)
     admin_token: SecretStr | None = None
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+
+    #: ``reload``: replicas load the pushed checkpoint path themselves (CPU and GPU; the path
+    #: must be readable by the servers). ``nccl``: the updater loads it onto its GPU and
+    #: broadcasts through vLLM's weight-transfer engine (service mode; see ``nccl``).
+    transport: Literal["reload", "nccl"] = "reload"
+    nccl: NcclConfig = Field(default_factory=NcclConfig)
 
     max_unavailable: int = Field(default=1, ge=1)
     min_serving: int = Field(default=1, ge=0)

@@ -59,6 +59,9 @@ class Transport(ABC, Generic[TTarget]):
     async def preflight(self, engine: VllmEngine, target: TTarget) -> None:
         """Refuse ``target`` with PreflightFailed unless it can be applied. Never mutates."""
 
+    def forget(self, url: str) -> None:
+        """Drop per-replica state (e.g. an NCCL group) after the replica at ``url`` restarted."""
+
     @abstractmethod
     async def transfer(self, engine: VllmEngine, target: TTarget) -> TransferEvidence:
         """Load ``target`` into ``engine`` (paused). Exceptions other than PreflightFailed /
