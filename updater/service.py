@@ -478,12 +478,9 @@ class Updater:
             else:
                 await self._watch_external(m, reason)
             return
-        if rec is not None and rec.state in ORPHANABLE and rec.state is not m.handle.lc.state:
-            # the store and this updater disagree and no cycle runs on it (e.g. a step was cut
-            # off by a Redis outage): its engine state is unknown -> taint and recover
-            await self._orphaned(m, f"left in {rec.state} with no cycle running")
-            return
         if m.handle.lc.state in ORPHANABLE:
+            # no cycle or recovery holds it (checked above), yet it is mid-cycle: a step was
+            # cut off (e.g. by a Redis outage). Its engine state is unknown: taint and recover.
             await self._orphaned(m, f"left in {m.handle.lc.state} with no cycle running")
             return
         if m.handle.lc.state is not S.READY:
