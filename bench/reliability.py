@@ -41,7 +41,7 @@ import httpx
 from aiohttp import web
 
 from bench.rolling_update_cpu import NAMESPACE, PROBE_PROMPT, marker, push, start_router, wait_http
-from pool.errors import StoreUnavailable
+from pool.errors import NotFound, StoreUnavailable
 from pool.launcher import ReplicaSpec
 from pool.models import marker_token
 from pool.redis_server import RedisServer, free_port
@@ -210,8 +210,9 @@ async def _outage(env: Env, down_s: float, log: list[tuple[float, float, int, st
                   ) -> dict[str, Any]:
     before = [rid for _, _, code, rid in log if code == 200]
     port = env.redis.port
-    t_down = time.monotonic()
+    t_stop = time.monotonic()
     await asyncio.to_thread(env.redis.stop)
+    t_down = time.monotonic()  # the process has exited: nothing can be admitted from here on
     await asyncio.sleep(0.5)
     push_during: str
     try:
@@ -222,17 +223,22 @@ async def _outage(env: Env, down_s: float, log: list[tuple[float, float, int, st
         push_during = "accepted"
     except StoreUnavailable:
         push_during = "refused: store_unavailable"
-    await asyncio.sleep(max(0.0, down_s - (time.monotonic() - t_down)))
+    await asyncio.sleep(max(0.0, down_s - (time.monotonic() - t_stop)))
     t_up = time.monotonic()
     env.redis = await asyncio.to_thread(redis_server(env.workdir, port).start)
     during = [x for x in log if x[0] > t_down + 0.05 and x[1] < t_up]
     admitted = [x for x in during if x[2] == 200]
     lost = 0
     for rid in before[-200:]:
-        try:
-            await env.store.binding(rid)
-        except Exception:
-            lost += 1
+        for _ in range(50):
+            try:
+                await env.store.binding(rid)
+                break
+            except NotFound:
+                lost += 1
+                break
+            except StoreUnavailable:  # reconnecting
+                await asyncio.sleep(0.1)
     t_back = None
     while time.monotonic() - t_up < 60:
         if any(x[0] > t_up and x[2] == 200 for x in log):

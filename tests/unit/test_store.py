@@ -6,6 +6,7 @@ import asyncio
 import uuid
 
 import pytest
+from pydantic import SecretStr
 
 from pool.errors import (
     AdmissionRefused,
@@ -257,3 +258,38 @@ async def test_unique_namespaces_isolate(redis_server) -> None:  # type: ignore[
     finally:
         await a.close()
         await b.close()
+
+
+async def test_acl_user_and_bindings_survive_a_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Connect as an ACL user with a password; script-written state survives a clean restart
+    (AOF). On Redis 7.0 this fails if the default user is disabled (see RedisServer)."""
+    from pool.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, username="pool", password="pw-123").start()
+    settings = StoreSettings(url=server.url, username="pool", password="pw-123",
+                             namespace="acl")
+    store = RedisStore.connect(settings)
+    try:
+        token = await store.updater_lease().acquire()
+        await ready_replica(store, token)
+        await store.admit("kept", "r0")
+        with pytest.raises(StoreUnavailable):
+            bad = RedisStore.connect(settings.model_copy(update={"password": SecretStr("wrong")}))
+            try:
+                await bad.ping()
+            finally:
+                await bad.close()
+        server.stop()
+        server = RedisServer(tmp_path, port=server.port, username="pool", password="pw-123")
+        server.start()
+        for _ in range(20):  # the pooled connection notices the restart
+            try:
+                b = await store.binding("kept")
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.05)
+        assert b.state is BindingState.ACTIVE and b.replica_id == "r0"
+        assert (await store.replica("r0")).active == 1
+    finally:
+        await store.close()
+        server.stop()
