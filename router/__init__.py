@@ -17,7 +17,7 @@ Modules (read in this order):
 * :mod:`router.bindings` — releasing (shielded, retried) and lease renewal
 * :mod:`router.provenance` — the ``rollout`` object, ``X-Rollout-*`` headers, span check
 * :mod:`router.upstream` — the pooled client session and the replicas' model ids
-* :mod:`router.status` — ``/v1/pool``, ``/healthz``, ``/metrics``, admin taint
+* :mod:`router.status` — ``/v1/pool``, ``/healthz``, ``/metrics``, ``/dashboard``, admin taint
 * :mod:`router.auth`, :mod:`router.errors`, :mod:`router.bodies`, :mod:`router.keys`
 """
 

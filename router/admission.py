@@ -1,0 +1,411 @@
+"""Choosing a replica and admitting a rollout to it.
+
+The store's ADMIT script is the only authority (I1): the router merely *orders* candidates and
+tries ``store.admit`` on each until one accepts. Ordering uses a short-TTL cached view of the
+pool (:class:`ReplicaView`):
+
+1. candidates are replicas that are ``READY``, whose generation is within ``max_staleness`` of
+   the published one, that meet the client's constraints, that serve the requested model, and
+   that have spare capacity;
+2. fewest active bindings first (the view's count for other routers' bindings, this router's
+   own live count for its own in-flight requests), ties broken by **rendezvous hashing** of a
+   prefix key (the prompt's first 256 characters or 64 token ids), so equal prompts land on the
+   same replica and reuse its prefix cache.
+
+If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries with backoff until
+``admission_wait_s`` is spent, then raises :class:`~router.errors.NoReplicaAvailable` (503 with
+``Retry-After``). Constraints that cannot be met by the published generation raise
+:class:`GenerationUnsatisfiable` (409) at once. ``StoreUnavailable`` propagates (503, fail
+closed).
+
+Cancellation: if the caller is cancelled while an ADMIT script is in flight, the script is
+allowed to finish (``asyncio.shield``) and a binding it created is released in the background
+as ``aborted`` (``client disconnected``), so a cancelled admission leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pool.errors import AdmissionRefused, StoreUnavailable
+from pool.metrics import RouterMetrics
+from pool.store import Admission, RedisStore
+from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
+from router.bindings import Bindings
+from router.errors import BadRequest, Conflict, NoReplicaAvailable
+
+HEADER_MIN_GENERATION = "X-Rollout-Min-Generation"
+HEADER_GENERATION = "X-Rollout-Generation"
+AFFINITY_CHARS = 256
+AFFINITY_TOKENS = 64
+
+
+class GenerationUnsatisfiable(Conflict):
+    code = "generation_unsatisfiable"
+
+
+class Constraints(BaseModel):
+    """What a client demands of the generation: ``min_generation`` and/or exact ``generation``.
+
+    Also the body of ``POST /v1/rollouts`` and of the optional ``rollout`` request field.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_generation: int | None = Field(default=None, ge=0)
+    generation: int | None = Field(default=None, ge=0)
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> Constraints:
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            errors = [f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()]
+            raise BadRequest(
+                f"invalid {where}: {'; '.join(errors)}", code="invalid_constraints"
+            ) from e
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> Constraints:
+        raw: dict[str, str] = {}
+        for header, name in (
+            (HEADER_MIN_GENERATION, "min_generation"),
+            (HEADER_GENERATION, "generation"),
+        ):
+            if header in headers:
+                raw[name] = headers[header].strip()
+        return cls.parse(raw, "X-Rollout-* headers") if raw else cls()
+
+    def merge(self, other: Constraints) -> Constraints:
+        """Both sources together; contradicting exact generations are a 400."""
+        if (
+            self.generation is not None
+            and other.generation is not None
+            and self.generation != other.generation
+        ):
+            raise BadRequest(
+                f"conflicting exact generations {self.generation} and {other.generation}",
+                code="invalid_constraints",
+            )
+        mins = [m for m in (self.min_generation, other.min_generation) if m is not None]
+        return Constraints(
+            min_generation=max(mins) if mins else None,
+            generation=self.generation if self.generation is not None else other.generation,
+        )
+
+    def allows(self, generation: int) -> bool:
+        if self.min_generation is not None and generation < self.min_generation:
+            return False
+        return self.generation is None or generation == self.generation
+
+
+def check_satisfiable(
+    latest: Generation | None, constraints: Constraints, max_staleness: int
+) -> None:
+    """Raise :class:`GenerationUnsatisfiable` if no admissible generation meets the constraints.
+
+    Admissible = ``[latest - max_staleness, latest]``. Before the first publish nothing is
+    decided here (the caller waits for a replica like any other shortage).
+    """
+    if latest is None:
+        return
+    low, high = latest.number - max_staleness, latest.number
+    g, m = constraints.generation, constraints.min_generation
+    ctx: dict[str, Any] = {
+        "latest": high,
+        "oldest_admissible": low,
+        "max_staleness": max_staleness,
+    }
+    if g is not None and g > high:
+        raise GenerationUnsatisfiable(
+            f"generation {g} is newer than the latest published generation {high}",
+            requested=g,
+            **ctx,
+        )
+    if g is not None and g < low:
+        raise GenerationUnsatisfiable(
+            f"generation {g} is older than the oldest admissible generation {low} "
+            f"(latest {high}, max_staleness {max_staleness})",
+            requested=g,
+            **ctx,
+        )
+    if m is not None and m > high:
+        raise GenerationUnsatisfiable(
+            f"min_generation {m} is newer than the latest published generation {high}",
+            requested_min=m,
+            **ctx,
+        )
+    if g is not None and m is not None and g < m:
+        raise GenerationUnsatisfiable(
+            f"generation {g} contradicts min_generation {m}", requested=g, requested_min=m, **ctx
+        )
+
+
+def affinity_key(body: Mapping[str, Any]) -> bytes:
+    """A stable prefix key of a request: first chars of the prompt/messages or first tokens."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of prompts: the first one decides
+    if prompt is None and isinstance(body.get("token_ids"), list):
+        prompt = body["token_ids"]
+    if isinstance(prompt, str):
+        return prompt[:AFFINITY_CHARS].encode()
+    if isinstance(prompt, list):
+        return ",".join(str(t) for t in prompt[:AFFINITY_TOKENS]).encode()
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        size = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            text = content if isinstance(content, str) else str(content)
+            parts.append(text)
+            size += len(text)
+            if size >= AFFINITY_CHARS:
+                break
+        return "\x1e".join(parts)[:AFFINITY_CHARS].encode()
+    return b""
+
+
+def rendezvous(key: bytes, replica_id: str) -> int:
+    return int.from_bytes(
+        hashlib.blake2b(key + b"\x00" + replica_id.encode(), digest_size=8).digest(), "big"
+    )
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """The pool as read from the store at ``taken`` (monotonic seconds)."""
+
+    replicas: tuple[ReplicaRecord, ...]
+    latest: Generation | None
+    taken: float
+    own_at_read: Mapping[str, int]
+
+    def replica(self, replica_id: str) -> ReplicaRecord | None:
+        for r in self.replicas:
+            if r.replica_id == replica_id:
+                return r
+        return None
+
+
+class ReplicaView:
+    """A cached read of the store's replicas and published generation, refreshed after ``ttl_s``.
+
+    Concurrent callers share one refresh (single flight); a cancelled caller does not cancel it.
+    The view is only used to *order* candidates and find URLs; admission itself is atomic in
+    Redis, so a stale view costs at most a refused ADMIT and a retry. Also counts this router's
+    own in-flight single requests per replica (:meth:`started` / :meth:`finished`).
+    """
+
+    def __init__(self, store: RedisStore, ttl_s: float) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._snap: PoolSnapshot | None = None
+        self._refresh: asyncio.Future[PoolSnapshot] | None = None
+        self.own: Counter[str] = Counter()
+
+    async def get(self, *, fresh: bool = False) -> PoolSnapshot:
+        snap = self._snap
+        if not fresh and snap is not None and time.monotonic() - snap.taken < self.ttl_s:
+            return snap
+        if self._refresh is None:
+            self._refresh = asyncio.ensure_future(self._load())
+            self._refresh.add_done_callback(self._refreshed)
+        return await asyncio.shield(self._refresh)
+
+    def _refreshed(self, fut: asyncio.Future[PoolSnapshot]) -> None:
+        self._refresh = None
+        if not fut.cancelled() and fut.exception() is None:
+            self._snap = fut.result()
+
+    async def _load(self) -> PoolSnapshot:
+        own = dict(self.own)
+        replicas, latest = await asyncio.gather(self.store.replicas(), self.store.latest())
+        return PoolSnapshot(tuple(replicas), latest[0] if latest else None, time.monotonic(), own)
+
+    def invalidate(self) -> None:
+        self._snap = None
+
+    def load(self, snap: PoolSnapshot, r: ReplicaRecord) -> int:
+        """Active bindings on ``r``: others' as of the snapshot plus this router's live ones."""
+        others = max(0, r.active - snap.own_at_read.get(r.replica_id, 0))
+        return others + self.own[r.replica_id]
+
+    def started(self, replica_id: str) -> None:
+        self.own[replica_id] += 1
+
+    def finished(self, replica_id: str) -> None:
+        self.own[replica_id] -= 1
+        if self.own[replica_id] <= 0:
+            del self.own[replica_id]
+
+
+def candidates(
+    view: ReplicaView,
+    snap: PoolSnapshot,
+    constraints: Constraints,
+    max_staleness: int,
+    key: bytes,
+    accept: Callable[[ReplicaRecord], bool] | None = None,
+) -> list[ReplicaRecord]:
+    """Eligible replicas in admission order (pure given the snapshot and live counts)."""
+    if snap.latest is None:
+        return []
+    low = snap.latest.number - max_staleness
+    eligible = [
+        r
+        for r in snap.replicas
+        if r.state is ReplicaState.READY
+        and r.generation is not None
+        and r.generation >= low
+        and constraints.allows(r.generation)
+        and view.load(snap, r) < r.capacity
+        and (accept is None or accept(r))
+    ]
+    if key:
+        tie = {r.replica_id: rendezvous(key, r.replica_id) for r in eligible}
+    else:
+        tie = {r.replica_id: random.getrandbits(64) for r in eligible}
+    return sorted(eligible, key=lambda r: (view.load(snap, r), -tie[r.replica_id]))
+
+
+@dataclass(frozen=True)
+class Admitted:
+    admission: Admission
+    replica: ReplicaRecord
+
+
+class Admitter:
+    """Admits rollouts (see the module docstring for ordering, waiting and cancellation)."""
+
+    def __init__(
+        self,
+        store: RedisStore,
+        view: ReplicaView,
+        bindings: Bindings,
+        metrics: RouterMetrics,
+        *,
+        max_staleness: int,
+        wait_s: float,
+        retry_after_s: int,
+    ) -> None:
+        self.store = store
+        self.view = view
+        self.bindings = bindings
+        self.metrics = metrics
+        self.max_staleness = max_staleness
+        self.wait_s = wait_s
+        self.retry_after_s = retry_after_s
+
+    async def admit(
+        self,
+        rollout_id: str,
+        constraints: Constraints,
+        key: bytes,
+        *,
+        session: bool,
+        lease_s: float,
+        accept: Callable[[ReplicaRecord], bool] | None = None,
+    ) -> Admitted:
+        """Bind ``rollout_id`` to the best replica that accepts it; blocks up to ``wait_s``."""
+        t0 = time.monotonic()
+        deadline = t0 + self.wait_s
+        backoff = 0.01
+        refusals: dict[str, str] = {}
+        fresh = False
+        try:
+            while True:
+                snap = await self.view.get(fresh=fresh)
+                check_satisfiable(snap.latest, constraints, self.max_staleness)
+                for r in candidates(self.view, snap, constraints, self.max_staleness, key, accept):
+                    try:
+                        adm = await self._admit_one(
+                            rollout_id, r.replica_id, constraints, session, lease_s
+                        )
+                    except AdmissionRefused as e:
+                        refusals[r.replica_id] = e.reason
+                        continue
+                    self.metrics.admissions.labels(r.replica_id).inc()
+                    self.metrics.admission_latency.observe(time.monotonic() - t0)
+                    return Admitted(adm, r)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._unavailable(snap, constraints, refusals)
+                await asyncio.sleep(min(backoff, remaining))
+                backoff = min(backoff * 2, 0.25)
+                fresh = True
+        except GenerationUnsatisfiable:
+            self.metrics.refusals.labels("generation_unsatisfiable").inc()
+            raise
+        except NoReplicaAvailable:
+            self.metrics.refusals.labels("no_replica_available").inc()
+            raise
+        except StoreUnavailable:
+            self.metrics.refusals.labels("store_unavailable").inc()
+            raise
+
+    async def _admit_one(
+        self, rollout_id: str, replica_id: str, c: Constraints, session: bool, lease_s: float
+    ) -> Admission:
+        task = asyncio.ensure_future(
+            self.store.admit(
+                rollout_id,
+                replica_id,
+                max_staleness=self.max_staleness,
+                min_generation=c.min_generation,
+                generation=c.generation,
+                session=session,
+                lease_s=lease_s,
+            )
+        )
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._undo)
+            raise
+
+    def _undo(self, task: asyncio.Future[Admission]) -> None:
+        """Release a binding whose admission finished after its caller was cancelled."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        adm = task.result()
+        self.bindings.spawn(
+            self.bindings.end(
+                adm.rollout_id, adm.replica_id, BindingState.ABORTED, "client disconnected"
+            )
+        )
+
+    def _unavailable(
+        self, snap: PoolSnapshot, c: Constraints, refusals: Mapping[str, str]
+    ) -> NoReplicaAvailable:
+        states = {r.replica_id: str(r.state) for r in snap.replicas}
+        if snap.latest is None:
+            why = "no generation has been published yet"
+        elif not snap.replicas:
+            why = "no replica is registered"
+        elif refusals:
+            why = "every eligible replica refused: " + ", ".join(
+                f"{rid}={reason}" for rid, reason in sorted(refusals.items())
+            )
+        else:
+            why = "no replica is READY on an admissible generation with spare capacity"
+        return NoReplicaAvailable(
+            f"no replica available after {self.wait_s:g}s: {why}",
+            headers={"Retry-After": str(self.retry_after_s)},
+            reason=why,
+            latest=snap.latest.number if snap.latest else None,
+            max_staleness=self.max_staleness,
+            min_generation=c.min_generation,
+            generation=c.generation,
+            replicas=states,
+        )

@@ -1,0 +1,193 @@
+"""The router's app factory: routes, middlewares and resources (aiohttp cleanup contexts).
+
+``create_app(settings, store_settings)`` does no I/O; the resources are set up when the app
+starts and torn down in reverse order when it stops:
+
+1. **store** — the :class:`~pool.store.RedisStore` client, the cached :class:`ReplicaView`, the
+   :class:`Bindings` owner and the :class:`Admitter`. The router starts even if Redis is down
+   (``/healthz`` says 503, admissions fail closed). Teardown waits up to 5 s for pending
+   releases before closing the client.
+2. **upstream** — one pooled :class:`aiohttp.ClientSession` for every replica, and the
+   :class:`ReplicaCatalog` of their model ids.
+3. **background** — the reaper, calling ``store.reap_expired()`` every ``reaper_interval_s``:
+   bindings whose lease ran out (their router died) are aborted with "lease expired" (many
+   routers may reap at once; each binding is released exactly once; errors are logged and
+   retried next tick); and the lease renewer of this router's in-flight requests
+   (:meth:`Bindings.renew_forever`, ticking every sixth of the shortest lease, at most 1 s).
+
+Middlewares, outermost first: JSON errors, request timing (``rolloutpool_request_seconds``),
+auth, optional rate limit. Only the routes below exist; anything else is a JSON 404 (vLLM's
+control endpoints are never reachable through the router).
+
+Serve it with :func:`start_server` or ``python -m router``; both enable aiohttp's
+``handler_cancellation``, which is how client disconnects reach the proxy (:mod:`router.proxy`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from pool.errors import StoreError
+from pool.metrics import RouterMetrics
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from router import openapi, proxy, sessions, status
+from router.admission import Admitter, ReplicaView
+from router.auth import auth_middleware, rate_limit_middleware
+from router.bindings import Bindings
+from router.errors import Handler, error_middleware
+from router.keys import (
+    ADMITTER,
+    BINDINGS,
+    CATALOG,
+    HTTP,
+    METRICS,
+    REAPER,
+    REGISTRY,
+    SETTINGS,
+    STORE,
+    VIEW,
+)
+from router.settings import RouterSettings
+from router.upstream import ReplicaCatalog, client_session
+
+log = logging.getLogger("router")
+
+
+def timing_middleware(metrics: RouterMetrics) -> Any:
+    @web.middleware
+    async def timing(request: web.Request, handler: Handler) -> web.StreamResponse:
+        t0 = time.monotonic()
+        try:
+            return await handler(request)
+        finally:
+            route = request.match_info.route.resource
+            name = route.canonical if route is not None else "unmatched"
+            metrics.request_latency.labels(name).observe(time.monotonic() - t0)
+
+    return timing
+
+
+def _store_ctx(store_settings: StoreSettings) -> Any:
+    async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        settings, metrics = app[SETTINGS], app[METRICS]
+        store = RedisStore.connect(store_settings)
+        view = ReplicaView(store, settings.replica_view_ttl_s)
+        bindings = Bindings(store, metrics)
+        app[STORE], app[VIEW], app[BINDINGS] = store, view, bindings
+        app[ADMITTER] = Admitter(
+            store,
+            view,
+            bindings,
+            metrics,
+            max_staleness=settings.max_staleness,
+            wait_s=settings.admission_wait_s,
+            retry_after_s=settings.retry_after_s,
+        )
+        yield
+        await bindings.close()
+        await store.close()
+
+    return store_ctx
+
+
+async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    http = client_session(app[SETTINGS])
+    app[HTTP] = http
+    app[CATALOG] = ReplicaCatalog(http)
+    yield
+    await http.close()
+
+
+async def _reap_forever(store: RedisStore, interval_s: float, stop: asyncio.Event) -> None:
+    """Reap until ``stop`` is set (a flag, not cancellation: see :mod:`router.bindings`)."""
+    while not stop.is_set():
+        try:
+            reaped = await store.reap_expired()
+            if reaped:
+                log.warning("reaper aborted %d expired binding(s): %s", len(reaped), reaped[:10])
+        except StoreError as e:
+            log.warning("reaper: %s", e.message)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+
+
+async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The reaper and the lease renewer; both stop on a flag (see :mod:`router.bindings`)."""
+    settings = app[SETTINGS]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    tick_s = min(1.0, settings.request_lease_s / 6, settings.session_lease_s / 6)
+    tasks = [
+        loop.create_task(_reap_forever(app[STORE], settings.reaper_interval_s, stop)),
+        loop.create_task(app[BINDINGS].renew_forever(tick_s, stop)),
+    ]
+    app[REAPER] = tasks[0]
+    yield
+    stop.set()
+    _, pending = await asyncio.wait(tasks, timeout=10)
+    for task in pending:
+        task.cancel()
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi.document())
+
+
+def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.Application:
+    """A wired router app (no I/O until it is started)."""
+    registry = CollectorRegistry()
+    metrics = RouterMetrics.create(registry)
+    app = web.Application(
+        middlewares=[
+            error_middleware(settings.retry_after_s),
+            timing_middleware(metrics),
+            auth_middleware(settings),
+            rate_limit_middleware(settings),
+        ],
+        client_max_size=settings.max_body_bytes + 1,
+    )
+    app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, metrics
+    app.cleanup_ctx.extend([_store_ctx(store_settings), _upstream_ctx, _background_ctx])
+
+    for path in proxy.INFERENCE_ROUTES:
+        app.router.add_post(path, proxy.handle_inference)
+    app.router.add_get("/v1/models", status.models, allow_head=False)
+    app.router.add_post("/v1/rollouts", sessions.open_session)
+    app.router.add_get("/v1/rollouts/{rollout_id}", sessions.get_rollout, allow_head=False)
+    app.router.add_post("/v1/rollouts/{rollout_id}/heartbeat", sessions.heartbeat)
+    app.router.add_post("/v1/rollouts/{rollout_id}/close", sessions.close_session)
+    app.router.add_get("/v1/pool", status.pool, allow_head=False)
+    app.router.add_get("/healthz", status.healthz, allow_head=False)
+    app.router.add_get("/metrics", status.metrics, allow_head=False)
+    app.router.add_get("/dashboard", status.dashboard, allow_head=False)
+    app.router.add_post("/v1/admin/replicas/{replica_id}/taint", status.taint)
+    app.router.add_get("/openapi.json", _openapi, allow_head=False)
+    return app
+
+
+async def start_server(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` (0: a free port) with handler cancellation enabled.
+
+    Returns the runner (``await runner.cleanup()`` stops it) and the bound port.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            bound = int(addr[1])
+            break
+    return runner, bound

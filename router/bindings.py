@@ -1,0 +1,245 @@
+"""Owning admitted bindings until they end: release, lease renewal, background tasks.
+
+Contracts:
+
+* :meth:`Bindings.release` ends a binding exactly once (the store's RELEASE is idempotent). It
+  runs in a tracked background task and the caller awaits it through ``asyncio.shield``: a
+  cancelled caller (client disconnect, shutdown) does not cancel the release. It never raises;
+  it says what it proved (:class:`Settled`). A release that *confirms* the binding was still
+  active proves the replica's weights did not change while the request ran (I2: a replica
+  cannot leave ``DRAINING`` for ``QUIESCED`` with an active binding), which is why the proxy
+  releases before it delivers an answer. If Redis stays unreachable after a few retries the
+  binding is left active and its lease runs out, after which any router's reaper aborts it.
+* :meth:`Bindings.renewing` keeps a binding's lease alive while a request runs (a touch once a
+  third of the lease has passed, by one background loop for all requests), so only the bindings
+  of a *dead* router expire. Renewal stops when the request ends (a touch already in flight may
+  still extend the lease once) or the binding has ended.
+* :meth:`Bindings.close` (app shutdown) waits for pending releases, then cancels what is left.
+
+**Cancellation and redis-py.** A cancellation that arrives while redis-py (8.1, Python 3.11) is
+in the middle of a command is sometimes swallowed: the store call returns normally inside a
+task that was cancelled (reproduced: cancel ~1 ms into ``reap_expired``). So the router never
+relies on cancelling a task that talks to Redis: background loops stop on a flag, and request
+handlers await store calls through :func:`shielded`, which always raises ``CancelledError`` in a
+cancelled caller (the store call itself runs to completion in the background).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from pool.errors import NotFound, StoreConflict, StoreError
+from pool.metrics import RouterMetrics
+from pool.store import RedisStore
+from pool.types import BindingState
+
+log = logging.getLogger("router")
+T = TypeVar("T")
+
+RELEASE_RETRY_DELAYS_S = (0.05, 0.25, 1.0)
+DEFAULT_REASON = "router error"
+
+
+@dataclass
+class Outcome:
+    """How one request ended for its binding; filled in as the request progresses.
+
+    Starts as ``aborted``/"router error", so an unexpected exit never reads as finished.
+    """
+
+    state: BindingState = BindingState.ABORTED
+    reason: str = DEFAULT_REASON
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def abort(self, reason: str) -> None:
+        self.state, self.reason = BindingState.ABORTED, reason
+
+    def finish(self, tokens: tuple[int, int] | None) -> None:
+        self.state, self.reason = BindingState.FINISHED, ""
+        if tokens is not None:
+            self.prompt_tokens, self.completion_tokens = tokens
+
+    def violate(self, reason: str) -> None:
+        self.state, self.reason = BindingState.VIOLATED, reason
+
+
+class Settled(StrEnum):
+    """What ending a request proved about its binding."""
+
+    CONFIRMED = "confirmed"  # still active when the request ended: the output is attributable
+    ENDED_ELSEWHERE = "ended_elsewhere"  # ended under the request (updater abort, reaper, close)
+    UNCONFIRMED = "unconfirmed"  # the store could not be reached
+
+
+class Settlement:
+    """ "What to do with the binding when the request ends"; runs at most once and remembers
+    what it proved (later calls return the first verdict)."""
+
+    def __init__(self, fn: Callable[[Outcome], Awaitable[Settled]]) -> None:
+        self._fn = fn
+        self.verdict: Settled | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.verdict is not None
+
+    async def __call__(self, outcome: Outcome) -> Settled:
+        if self.verdict is None:
+            self.verdict = Settled.UNCONFIRMED  # if the call below is cancelled
+            self.verdict = await self._fn(outcome)
+        return self.verdict
+
+
+def shielded(aw: Awaitable[T]) -> asyncio.Future[T]:
+    """``await shielded(store.x(...))``: cancelling the awaiting task raises ``CancelledError``
+    at once and reliably; the call completes in the background (its failure is discarded)."""
+    inner = asyncio.ensure_future(aw)
+    inner.add_done_callback(_consume)
+    return asyncio.shield(inner)
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclass
+class _Lease:
+    lease_s: float
+    renewed: float  # monotonic time of the admission or last renewal
+    users: int = 0
+
+
+class Bindings:
+    def __init__(self, store: RedisStore, metrics: RouterMetrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._leases: dict[str, _Lease] = {}
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run ``coro`` in a task the router keeps a reference to until it finishes."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def end(
+        self,
+        rollout_id: str,
+        replica_id: str,
+        state: BindingState,
+        reason: str,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> Settled:
+        """RELEASE, retried while Redis is unreachable. Never raises.
+
+        ``CONFIRMED``: this call ended the binding, so it was active until now; ``ENDED_ELSEWHERE``:
+        someone else (the updater, a reaper, a close) ended it first; ``UNCONFIRMED``: Redis
+        stayed unreachable (the binding is left to its lease and the reaper).
+        """
+        for attempt, delay in enumerate((0.0, *RELEASE_RETRY_DELAYS_S)):
+            if delay:
+                await asyncio.sleep(delay)
+            try:
+                released = await self.store.release(
+                    rollout_id,
+                    replica_id,
+                    state,
+                    reason=reason,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                )
+                if not released and attempt > 0:  # maybe our own earlier, unanswered attempt
+                    b = await self.store.binding(rollout_id)
+                    released = b.state is state and b.reason == reason
+            except (NotFound, StoreConflict) as e:
+                log.error("release of %s failed: %s", rollout_id, e.message)
+                return Settled.ENDED_ELSEWHERE
+            except StoreError as e:
+                log.warning(
+                    "release of %s failed (attempt %d): %s", rollout_id, attempt + 1, e.message
+                )
+                continue
+            if not released:
+                return Settled.ENDED_ELSEWHERE
+            self.metrics.rollouts_ended.labels(state.value).inc()
+            if state is not BindingState.FINISHED:
+                log.info("rollout %s on %s %s: %s", rollout_id, replica_id, state, reason)
+            return Settled.CONFIRMED
+        log.error(
+            "rollout %s left active: store unreachable; the reaper aborts it when its lease "
+            "expires",
+            rollout_id,
+        )
+        return Settled.UNCONFIRMED
+
+    async def release(
+        self,
+        rollout_id: str,
+        replica_id: str,
+        state: BindingState,
+        reason: str,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+    ) -> Settled:
+        """:meth:`end` in a tracked task, awaited through ``shield`` (see the module doc)."""
+        task = self.spawn(
+            self.end(rollout_id, replica_id, state, reason, prompt_tokens, completion_tokens)
+        )
+        return await asyncio.shield(task)
+
+    @contextlib.contextmanager
+    def renewing(self, rollout_id: str, lease_s: float) -> Iterator[None]:
+        """Keep the binding's lease alive for the duration of the block.
+
+        Costs a dict entry: one background loop (:meth:`renew_forever`) renews every binding in
+        flight once a third of its lease has passed. Nested blocks for one rollout (concurrent
+        requests of a session) share the entry until the last one ends.
+        """
+        entry = self._leases.get(rollout_id)
+        if entry is None:
+            entry = self._leases[rollout_id] = _Lease(lease_s, time.monotonic())
+        entry.users += 1
+        try:
+            yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0 and self._leases.get(rollout_id) is entry:
+                del self._leases[rollout_id]
+
+    async def renew_forever(self, tick_s: float, stop: asyncio.Event) -> None:
+        """Renew due leases every ``tick_s`` until ``stop`` is set (a flag, not cancellation)."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick_s)
+            now = time.monotonic()
+            due = [(rid, e) for rid, e in self._leases.items() if now - e.renewed >= e.lease_s / 3]
+            if due:
+                await asyncio.gather(*(self._renew(rid, e, now) for rid, e in due))
+
+    async def _renew(self, rollout_id: str, entry: _Lease, now: float) -> None:
+        try:
+            await self.store.touch(rollout_id, lease_s=entry.lease_s)
+            entry.renewed = now
+        except NotFound:
+            self._leases.pop(rollout_id, None)  # ended meanwhile
+        except StoreError as e:
+            log.warning("lease renewal of %s failed: %s", rollout_id, e.message)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*pending, return_exceptions=True)

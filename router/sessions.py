@@ -1,0 +1,237 @@
+"""Rollout sessions: the requests of one multi-turn rollout, pinned to one replica and generation.
+
+* ``POST /v1/rollouts`` (optional body ``{min_generation, generation}``, or the
+  ``X-Rollout-*`` constraint headers) admits a *session* binding with lease
+  ``session_lease_s`` → 201 ``{rollout_id, generation, label, identity_digest, replica,
+  lease_expires_ms}``.
+* Requests with ``X-Rollout-Id: <id>`` go to the session's replica with its generation's cache
+  salt (:func:`resolve`). Each one renews the lease and counts itself (``requests + 1``) before
+  it is forwarded, renews the lease while it runs, and adds its token counts when it finishes;
+  that last touch also proves the session was still active, else the answer is withheld (409
+  ``binding_ended``, see :mod:`router.proxy`). A failed request (upstream error, client
+  disconnect) leaves the session open; a provenance violation ends it as ``violated``.
+* ``POST /v1/rollouts/{id}/heartbeat`` renews the lease; ``POST /v1/rollouts/{id}/close``
+  releases the session as ``finished``. A session whose lease runs out is aborted by the reaper.
+* ``GET /v1/rollouts/{id}`` returns the provenance record of any rollout (session or not).
+
+Errors: unknown id → 404 ``rollout_not_found``; a one-request rollout's id → 409
+``not_a_session``; an ended session → 409 ``rollout_not_active``; constraints the session's
+generation does not meet → 409 ``generation_unsatisfiable``; a session whose replica was tainted
+(or otherwise left service) is aborted and answered 409 ``session_replica_unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+
+from pool.errors import NotFound, StoreError
+from pool.types import Binding, BindingState, ReplicaRecord, ReplicaState
+from router.admission import Constraints
+from router.bindings import Outcome, Settled, Settlement, shielded
+from router.bodies import read_json_object
+from router.errors import Conflict, RouteNotFound, json_response
+from router.keys import ADMITTER, BINDINGS, SETTINGS, STORE, VIEW
+from router.provenance import RolloutInfo, new_rollout_id
+
+log = logging.getLogger("router")
+
+SERVING = frozenset({ReplicaState.READY, ReplicaState.DRAINING})
+
+
+async def _binding(request: web.Request, rollout_id: str) -> Binding:
+    try:
+        return await shielded(request.app[STORE].binding(rollout_id))
+    except NotFound as e:
+        raise RouteNotFound(
+            f"unknown rollout {rollout_id}", code="rollout_not_found", rollout_id=rollout_id
+        ) from e
+
+
+async def _active_session(request: web.Request, rollout_id: str) -> Binding:
+    b = await _binding(request, rollout_id)
+    if not b.session:
+        raise Conflict(
+            f"rollout {rollout_id} is a single-request rollout, not a session",
+            code="not_a_session",
+            rollout_id=rollout_id,
+        )
+    if b.state is not BindingState.ACTIVE:
+        raise Conflict(
+            f"session {rollout_id} has ended ({b.state}{': ' + b.reason if b.reason else ''})",
+            code="rollout_not_active",
+            rollout_id=rollout_id,
+            state=str(b.state),
+            reason=b.reason,
+        )
+    return b
+
+
+def _not_active(rollout_id: str, state: object) -> Conflict:
+    return Conflict(
+        f"session {rollout_id} is no longer active ({state or 'expired'})",
+        code="rollout_not_active",
+        rollout_id=rollout_id,
+        state=str(state or ""),
+    )
+
+
+# ------------------------------------------------------------------------------ endpoints
+
+
+async def open_session(request: web.Request) -> web.Response:
+    app = request.app
+    settings = app[SETTINGS]
+    body = await read_json_object(request, settings.max_body_bytes, optional=True)
+    constraints = Constraints.from_headers(request.headers).merge(
+        Constraints.parse(body, "session request body")
+    )
+    rollout_id = new_rollout_id()
+    admitted = await app[ADMITTER].admit(
+        rollout_id, constraints, b"", session=True, lease_s=settings.session_lease_s
+    )
+    adm = admitted.admission
+    info = RolloutInfo.of_admission(adm)
+    payload = {
+        "rollout_id": adm.rollout_id,
+        "generation": adm.generation,
+        "label": adm.label,
+        "identity_digest": adm.identity_digest,
+        "replica": adm.replica_id,
+        "lease_expires_ms": adm.created_ms + int(settings.session_lease_s * 1000),
+    }
+    return json_response(payload, status=201, headers=info.headers())
+
+
+async def get_rollout(request: web.Request) -> web.Response:
+    b = await _binding(request, request.match_info["rollout_id"])
+    return json_response(b.model_dump(mode="json"), headers=RolloutInfo.of_binding(b).headers())
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    rollout_id = request.match_info["rollout_id"]
+    await _active_session(request, rollout_id)
+    try:
+        expires = await shielded(
+            request.app[STORE].touch(rollout_id, lease_s=request.app[SETTINGS].session_lease_s)
+        )
+    except NotFound as e:
+        raise _not_active(rollout_id, e.context.get("state")) from e
+    return json_response({"rollout_id": rollout_id, "state": "active", "lease_expires_ms": expires})
+
+
+async def close_session(request: web.Request) -> web.Response:
+    rollout_id = request.match_info["rollout_id"]
+    b = await _active_session(request, rollout_id)
+    verdict = await request.app[BINDINGS].release(
+        rollout_id, b.replica_id, BindingState.FINISHED, "closed by client"
+    )
+    final = await _binding(request, rollout_id)
+    if verdict is Settled.UNCONFIRMED:
+        raise StoreError(f"could not close session {rollout_id}; retry")
+    if verdict is Settled.ENDED_ELSEWHERE:
+        raise _not_active(rollout_id, final.state)
+    return json_response(
+        final.model_dump(mode="json"), headers=RolloutInfo.of_binding(final).headers()
+    )
+
+
+# ------------------------------------------------------------------------------ forwarding
+
+
+async def resolve(
+    request: web.Request,
+    rollout_id: str,
+    constraints: Constraints,
+    accept: Callable[[ReplicaRecord], bool] | None,
+) -> tuple[RolloutInfo, ReplicaRecord, Settlement]:
+    """Where a request of session ``rollout_id`` goes, after counting it on the binding.
+
+    Returns the binding's provenance, its replica and what to do when the request ends.
+    """
+    app = request.app
+    store, bindings, settings = app[STORE], app[BINDINGS], app[SETTINGS]
+    b = await _active_session(request, rollout_id)
+    if not constraints.allows(b.generation):
+        raise Conflict(
+            f"session {rollout_id} is bound to generation {b.generation}, which does not meet "
+            f"the request's constraints",
+            code="generation_unsatisfiable",
+            generation=b.generation,
+            requested=constraints.generation,
+            requested_min=constraints.min_generation,
+        )
+    cached = (await app[VIEW].get()).replica(b.replica_id)
+    if accept is not None and cached is not None and not accept(cached):
+        raise Conflict(
+            f"session {rollout_id}'s replica does not serve the requested model",
+            code="model_mismatch",
+            rollout_id=rollout_id,
+        )
+    # The replica's state is read fresh (a session has no per-request ADMIT to check it), at
+    # the same time as the touch that counts the request and renews the lease.
+    fresh, touched = await asyncio.gather(
+        shielded(store.replica(b.replica_id)),
+        shielded(store.touch(rollout_id, requests=1, lease_s=settings.session_lease_s)),
+        return_exceptions=True,
+    )
+    replica: ReplicaRecord | None = None
+    if isinstance(fresh, ReplicaRecord):
+        replica = fresh
+    elif not isinstance(fresh, NotFound):
+        raise fresh
+    if replica is None or replica.state not in SERVING:
+        state = "deregistered" if replica is None else str(replica.state)
+        await bindings.release(rollout_id, b.replica_id, BindingState.ABORTED, f"replica {state}")
+        raise Conflict(
+            f"session {rollout_id}'s replica {b.replica_id} is {state}; the session "
+            f"was aborted, open a new one",
+            code="session_replica_unavailable",
+            rollout_id=rollout_id,
+            replica=b.replica_id,
+            state=state,
+        )
+    if isinstance(touched, NotFound):
+        raise _not_active(rollout_id, touched.context.get("state")) from touched
+    if isinstance(touched, BaseException):
+        raise touched
+
+    async def settle(o: Outcome) -> Settled:
+        if o.state is BindingState.VIOLATED:
+            return await bindings.release(
+                rollout_id, b.replica_id, o.state, o.reason, o.prompt_tokens, o.completion_tokens
+            )
+        if o.state is not BindingState.FINISHED:
+            log.info(
+                "session %s: request failed (%s); the session stays open", rollout_id, o.reason
+            )
+            return Settled.CONFIRMED  # nothing is delivered that would need confirming
+        try:  # adds the tokens and proves the session was still active at the end
+            await shielded(
+                store.touch(
+                    rollout_id,
+                    prompt_tokens=o.prompt_tokens,
+                    completion_tokens=o.completion_tokens,
+                    lease_s=settings.session_lease_s,
+                )
+            )
+        except NotFound:
+            return Settled.ENDED_ELSEWHERE
+        except StoreError as e:
+            log.warning("session %s: could not confirm the binding: %s", rollout_id, e.message)
+            return Settled.UNCONFIRMED
+        return Settled.CONFIRMED
+
+    return RolloutInfo.of_binding(b), replica, Settlement(settle)
+
+
+__all__ = [
+    "close_session",
+    "get_rollout",
+    "heartbeat",
+    "open_session",
+    "resolve",
+]

@@ -1,0 +1,95 @@
+"""Router settings (pydantic-settings; env prefix ``ROLLOUTPOOL_ROUTER_``).
+
+Built once in :mod:`router.__main__` and passed to :func:`router.app.create_app`; nothing else
+reads the environment. Secrets are :class:`~pydantic.SecretStr`, so they never appear in a
+``repr``, a log line or ``/metrics``.
+
+``ROLLOUTPOOL_ROUTER_API_KEYS`` accepts a JSON list (``'["k1","k2"]'``) or a comma-separated
+string (``k1,k2``). An empty list disables client authentication.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+
+class RouterSettings(BaseSettings):
+    """Everything the router needs besides the store (:class:`pool.settings.StoreSettings`).
+
+    Timing contracts:
+
+    * ``admission_wait_s`` bounds how long a request queues for an eligible replica before it
+      is answered 503 with ``Retry-After: retry_after_s``.
+    * ``upstream_timeout_s`` bounds every *silence* of an upstream replica (no byte for that
+      long: the whole generation of a non-streamed request, the gap between two SSE chunks of a
+      streamed one); it ends in 504 / an aborted binding.
+    * ``request_lease_s`` is the lease of a one-request rollout; the router renews it every
+      third of that while the request runs, so only a dead router's bindings expire (and are
+      aborted by any router's reaper within ``reaper_interval_s``).
+    * ``session_lease_s`` is a session's lease; every request and heartbeat renews it.
+    * ``upstream_keepalive_s`` must stay below vLLM's own keep-alive (5 s by default,
+      ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), or a pooled connection can be closed by the server
+      just as a request is written on it.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUTPOOL_ROUTER_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    admin_token: SecretStr | None = None
+    served_model_name: str = Field(default="rolloutpool", min_length=1)
+
+    max_staleness: int = Field(default=0, ge=0)
+    admission_wait_s: float = Field(default=5.0, ge=0)
+    retry_after_s: int = Field(default=1, ge=0)
+    replica_view_ttl_s: float = Field(default=0.25, ge=0)
+    max_body_bytes: int = Field(default=4 * MIB, gt=0)
+
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    upstream_keepalive_s: float = Field(default=4.0, gt=0)
+    upstream_connections: int = Field(default=512, gt=0)
+    upstream_api_key: SecretStr | None = None
+
+    session_lease_s: float = Field(default=300.0, gt=0)
+    request_lease_s: float = Field(default=30.0, gt=0)
+    reaper_interval_s: float = Field(default=5.0, gt=0)
+
+    rate_limit_per_s: float | None = Field(default=None, gt=0)
+    rate_limit_burst: int = Field(default=200, gt=0)
+
+    log_level: str = "INFO"
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            text = v.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [k.strip() for k in text.split(",") if k.strip()]
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_keys(cls, v: list[SecretStr]) -> list[SecretStr]:
+        if any(not k.get_secret_value() for k in v):
+            raise ValueError("api_keys must not contain an empty key")
+        return v
+
+    @model_validator(mode="after")
+    def _admin_is_not_a_client_key(self) -> RouterSettings:
+        if self.admin_token is not None:
+            admin = self.admin_token.get_secret_value()
+            if not admin:
+                raise ValueError("admin_token must not be empty (unset it to disable admin)")
+            if any(k.get_secret_value() == admin for k in self.api_keys):
+                raise ValueError("admin_token must differ from every client api key")
+        return self

@@ -1,0 +1,166 @@
+"""Read-only status routes and the admin API.
+
+* ``GET /v1/models`` — the one model name clients use (``served_model_name``).
+* ``GET /v1/pool`` — every replica (state, generation, label, active bindings, url) and the
+  published generation, read from the store (not the cached view).
+* ``GET /healthz`` — 200 ``{"status": "ok"}`` if Redis answers PING, else 503 JSON.
+* ``GET /metrics`` — Prometheus text from the app's own registry; the pool gauges are refreshed
+  from the store on each scrape (skipped, not failed, while Redis is down).
+* ``GET /dashboard`` — a small self-refreshing HTML page of the same pool view (no URLs; public
+  like ``/metrics``).
+* ``POST /v1/admin/replicas/{replica_id}/taint`` (admin token; body ``{"reason": "..."}``) —
+  close admissions on a replica now (the updater recovers it).
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from pool.errors import StoreError
+from router.bodies import read_json_object
+from router.errors import BadRequest, json_response
+from router.keys import METRICS, REGISTRY, SETTINGS, STORE, VIEW
+
+log = logging.getLogger("router")
+STARTED = int(time.time())
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[SETTINGS].served_model_name
+    return json_response(
+        {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": STARTED, "owned_by": "rolloutpool"}
+            ],
+        }
+    )
+
+
+async def pool(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    replicas = await store.replicas()
+    latest = await store.latest()
+    return json_response(
+        {
+            "latest": None
+            if latest is None
+            else {
+                "generation": latest[0].number,
+                "label": latest[0].label,
+                "identity_digest": latest[1],
+            },
+            "max_staleness": request.app[SETTINGS].max_staleness,
+            "replicas": [
+                {
+                    "replica_id": r.replica_id,
+                    "state": str(r.state),
+                    "generation": r.generation,
+                    "label": r.label,
+                    "identity_digest": r.identity_digest,
+                    "active": r.active,
+                    "capacity": r.capacity,
+                    "url": r.url,
+                    "reason": r.reason,
+                    "updated_ms": r.updated_ms,
+                }
+                for r in replicas
+            ],
+        }
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    try:
+        await request.app[STORE].ping()
+    except StoreError as e:
+        body = {
+            "status": "unavailable",
+            "error": {"code": "store_unavailable", "message": e.message},
+        }
+        return json_response(body, status=503)
+    return json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    try:
+        replicas = await app[STORE].replicas()
+        latest = await app[STORE].latest()
+        app[METRICS].pool.observe(replicas, latest[0].number if latest else None)
+    except StoreError as e:
+        log.warning("metrics: pool gauges not refreshed: %s", e.message)
+    return web.Response(
+        body=generate_latest(app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+class TaintRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(min_length=1, max_length=500)
+
+
+async def taint(request: web.Request) -> web.Response:
+    replica_id = request.match_info["replica_id"]
+    raw = await read_json_object(request, request.app[SETTINGS].max_body_bytes)
+    try:
+        body = TaintRequest.model_validate(raw)
+    except ValueError as e:
+        raise BadRequest(f"invalid taint request: {e}", code="invalid_body") from e
+    previous = await request.app[STORE].taint(
+        replica_id, f"admin: {body.reason}", source="router-admin"
+    )
+    request.app[VIEW].invalidate()
+    log.warning("replica %s tainted by admin (was %s): %s", replica_id, previous, body.reason)
+    return json_response(
+        {"replica_id": replica_id, "state": "TAINTED", "previous_state": str(previous)}
+    )
+
+
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
+<title>RolloutPool</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; }}
+td, th {{ border: 1px solid #ccc; padding: .3em .8em; text-align: left; }}
+.READY {{ color: #070; }} .TAINTED {{ color: #b00; font-weight: bold; }}
+</style></head><body>
+<h1>RolloutPool</h1>
+<p>published generation: <b>{latest}</b> &middot; max staleness {staleness}
+&middot; <a href="/metrics">metrics</a></p>
+<table><tr><th>replica</th><th>state</th><th>generation</th><th>label</th>
+<th>active / capacity</th><th>reason</th></tr>
+{rows}
+</table></body></html>
+"""
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    try:
+        replicas = await store.replicas()
+        latest = await store.latest()
+    except StoreError as e:
+        text = f"<!doctype html><p>store unavailable: {html.escape(e.message)}</p>"
+        return web.Response(text=text, status=503, content_type="text/html")
+    esc = html.escape
+    rows = "\n".join(
+        f'<tr><td>{esc(r.replica_id)}</td><td class="{esc(r.state.value)}">'
+        f"{esc(r.state.value)}</td><td>{r.generation if r.generation is not None else '-'}"
+        f"</td><td>{esc(r.label or '-')}</td><td>{r.active} / {r.capacity}</td>"
+        f"<td>{esc(r.reason)}</td></tr>"
+        for r in replicas
+    )
+    page = _PAGE.format(
+        latest="none" if latest is None else f"{latest[0].number} ({esc(latest[0].label)})",
+        staleness=request.app[SETTINGS].max_staleness,
+        rows=rows,
+    )
+    return web.Response(text=page, content_type="text/html")

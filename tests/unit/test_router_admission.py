@@ -1,0 +1,230 @@
+"""Admission: constraints, candidate ordering (pure) and the 409/503 outcomes over HTTP with a
+real Redis and no vLLM (replica URLs point at closed ports)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
+from router.admission import (
+    Constraints,
+    GenerationUnsatisfiable,
+    PoolSnapshot,
+    ReplicaView,
+    affinity_key,
+    candidates,
+    check_satisfiable,
+)
+from router.errors import BadRequest
+from router.settings import RouterSettings
+from tests.integration.harness import publish_ready, router_client
+
+DEAD = "http://127.0.0.1:1"  # connection refused
+BODY = {"model": "rolloutpool", "prompt": "hello", "max_tokens": 1}
+
+
+def rec(
+    rid: str, active: int = 0, generation: int = 0, state: str = "READY", capacity: int = 64
+) -> ReplicaRecord:
+    return ReplicaRecord(
+        replica_id=rid,
+        url=f"http://{rid}",
+        state=ReplicaState(state),
+        generation=generation,
+        label=f"g{generation}",
+        active=active,
+        capacity=capacity,
+    )
+
+
+def snap(*replicas: ReplicaRecord, latest: int | None = 0) -> PoolSnapshot:
+    g = None if latest is None else Generation(number=latest, label=f"g{latest}")
+    return PoolSnapshot(tuple(replicas), g, time.monotonic(), {})
+
+
+def view() -> ReplicaView:
+    return ReplicaView(store=None, ttl_s=1.0)  # type: ignore[arg-type]  # pure use only
+
+
+def test_constraints_from_headers_and_body() -> None:
+    c = Constraints.from_headers({"X-Rollout-Min-Generation": "2"})
+    assert c == Constraints(min_generation=2)
+    merged = c.merge(Constraints.parse({"min_generation": 3, "generation": 4}, "body"))
+    assert merged == Constraints(min_generation=3, generation=4)
+    with pytest.raises(BadRequest):
+        Constraints.from_headers({"X-Rollout-Generation": "latest"})
+    with pytest.raises(BadRequest):
+        Constraints.parse({"generation": 1, "extra": True}, "body")
+    with pytest.raises(BadRequest):
+        Constraints(generation=1).merge(Constraints(generation=2))
+    assert Constraints(min_generation=2).allows(3) and not Constraints(generation=2).allows(3)
+
+
+@pytest.mark.parametrize(
+    "c,staleness",
+    [
+        (Constraints(generation=6), 0),  # newer than published
+        (Constraints(generation=3), 1),  # older than the admissible window [4, 5]
+        (Constraints(min_generation=6), 3),  # nothing published meets it
+        (Constraints(min_generation=5, generation=4), 2),  # contradictory
+    ],
+)
+def test_unsatisfiable_constraints(c: Constraints, staleness: int) -> None:
+    with pytest.raises(GenerationUnsatisfiable) as e:
+        check_satisfiable(Generation(number=5, label="g5"), c, staleness)
+    assert e.value.status == 409 and e.value.context["latest"] == 5
+
+
+def test_satisfiable_constraints() -> None:
+    g5 = Generation(number=5, label="g5")
+    check_satisfiable(g5, Constraints(generation=5), 0)
+    check_satisfiable(g5, Constraints(generation=3, min_generation=3), 2)
+    check_satisfiable(None, Constraints(generation=9), 0)  # nothing published: wait instead
+
+
+def test_candidates_prefer_fewest_active_then_affinity() -> None:
+    v = view()
+    s = snap(
+        rec("a", active=3),
+        rec("b", active=1),
+        rec("c", active=1),
+        rec("d", state="DRAINING"),
+        rec("e", generation=-0, state="TAINTED"),
+        rec("f", active=64),
+    )
+    order = [r.replica_id for r in candidates(v, s, Constraints(), 0, b"prompt")]
+    assert order[2] == "a" and set(order[:2]) == {"b", "c"} and len(order) == 3
+    # the same key always breaks the tie the same way; different keys spread
+    assert order == [r.replica_id for r in candidates(v, s, Constraints(), 0, b"prompt")]
+    firsts = Counter(
+        candidates(v, snap(rec("a"), rec("b"), rec("c")), Constraints(), 0, f"p{i}".encode())[
+            0
+        ].replica_id
+        for i in range(300)
+    )
+    assert set(firsts) == {"a", "b", "c"} and min(firsts.values()) > 50
+
+
+def test_candidates_respect_staleness_and_constraints() -> None:
+    v = view()
+    s = snap(rec("old", generation=3), rec("mid", generation=4), rec("new", generation=5), latest=5)
+
+    def ids(c: Constraints, k: int) -> set[str]:
+        return {r.replica_id for r in candidates(v, s, c, k, b"")}
+
+    assert ids(Constraints(), 0) == {"new"}
+    assert ids(Constraints(), 1) == {"mid", "new"}
+    assert ids(Constraints(generation=4), 2) == {"mid"}
+    assert ids(Constraints(min_generation=4), 2) == {"mid", "new"}
+    assert candidates(v, snap(rec("a"), latest=None), Constraints(), 0, b"") == []
+
+
+def test_own_inflight_counts_steer_load() -> None:
+    v = view()
+    s = snap(rec("a"), rec("b"))
+    v.started("a")
+    v.started("a")
+    assert candidates(v, s, Constraints(), 0, b"k")[0].replica_id == "b"
+    v.finished("a")
+    v.finished("a")
+    assert v.own == Counter()
+
+
+def test_affinity_key_forms() -> None:
+    long = "x" * 1000
+    assert affinity_key({"prompt": long}) == b"x" * 256
+    assert affinity_key({"prompt": [long, "y"]}) == b"x" * 256
+    assert affinity_key({"prompt": list(range(100))}) == ",".join(map(str, range(64))).encode()
+    assert affinity_key({"token_ids": [1, 2]}) == b"1,2"
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert affinity_key({"messages": msgs}) == b"be brief\x1ehi"
+    assert affinity_key({}) == b""
+
+
+def settings(**kw: Any) -> RouterSettings:
+    base: dict[str, Any] = {"admission_wait_s": 0.3, "retry_after_s": 2}
+    base.update(kw)
+    return RouterSettings(**base)
+
+
+async def test_no_ready_replica_is_503_after_the_wait(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    async with router_client(settings(), store_settings) as c:
+        t0 = time.monotonic()
+        r = await c.post("/v1/completions", json=BODY)
+        elapsed = time.monotonic() - t0
+        assert r.status == 503 and r.headers["Retry-After"] == "2"
+        body = await r.json()
+        assert body["error"]["code"] == "no_replica_available"
+        assert "no generation has been published" in body["error"]["message"]
+        assert 0.3 <= elapsed < 3
+
+        await publish_ready(store, [("r0", DEAD)])
+        await store.taint("r0", "test", source="test")
+        r = await c.post("/v1/completions", json=BODY)
+        assert r.status == 503
+        body = await r.json()
+        assert body["error"]["replicas"] == {"r0": "TAINTED"}
+        r = await c.post("/v1/rollouts")
+        assert r.status == 503
+    assert await store.leased_rollouts() == 0
+
+
+async def test_full_replica_is_503(store_settings: StoreSettings, store: RedisStore) -> None:
+    await publish_ready(store, [("r0", DEAD)], capacity=1)
+    await store.admit("ro-other", "r0")
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post("/v1/completions", json=BODY)
+        assert r.status == 503
+        assert "spare capacity" in (await r.json())["error"]["message"]
+    await store.release("ro-other", "r0")
+
+
+async def test_unsatisfiable_generation_is_409(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    await publish_ready(store, [("r0", DEAD)])
+    await publish_ready(store, [("r1", DEAD)], generation=Generation(number=1, label="g1"))
+    async with router_client(settings(), store_settings) as c:
+        for headers, body in [
+            ({"X-Rollout-Generation": "2"}, BODY),
+            ({"X-Rollout-Generation": "0"}, BODY),  # older than latest - max_staleness (0)
+            ({"X-Rollout-Min-Generation": "5"}, BODY),
+            ({}, {**BODY, "rollout": {"generation": 7}}),
+        ]:
+            r = await c.post("/v1/completions", json=body, headers=headers)
+            assert r.status == 409, (headers, body)
+            err = (await r.json())["error"]
+            assert err["code"] == "generation_unsatisfiable" and err["latest"] == 1
+        r = await c.post("/v1/rollouts", json={"generation": 0})
+        assert r.status == 409
+    assert await store.leased_rollouts() == 0
+
+
+async def test_admitted_then_upstream_unreachable_is_502_and_aborted(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """A real connection refusal (no fake server): the binding ends aborted, nothing leaks."""
+    await publish_ready(store, [("r0", DEAD)])
+    await publish_ready(store, [("r1", DEAD)], generation=Generation(number=1, label="g1"))
+    async with router_client(settings(max_staleness=1), store_settings) as c:
+        r = await c.post("/v1/completions", json=BODY, headers={"X-Rollout-Generation": "0"})
+        assert r.status == 502
+        err = (await r.json())["error"]
+        assert err["code"] == "upstream_unavailable"
+        rid = r.headers["X-Rollout-Id"]
+        assert r.headers["X-Rollout-Replica"] == "r0" and r.headers["X-Rollout-Generation"] == "0"
+        assert err["rollout"]["id"] == rid
+        b = await store.binding(rid)
+        assert b.state is BindingState.ABORTED and b.reason.startswith("upstream unavailable")
+        r = await c.get(f"/v1/rollouts/{rid}")
+        assert r.status == 200 and (await r.json())["state"] == "aborted"
+    assert [x.active for x in await store.replicas()] == [0, 0]
+    assert await store.leased_rollouts() == 0

@@ -1,0 +1,591 @@
+"""Upstream behaviour of the proxy against a tiny in-process *fake* vLLM.
+
+The fake exists ONLY to inject what a real server cannot produce on demand: weight_versions
+spans that contradict the binding, HTTP 500/400 answers, connections dropped mid-answer, a
+stream or a generation slow enough to disconnect from deterministically, and a 0.33 version
+string; and to record the exact body the router forwarded (cache_salt, model rewrite, stripped
+fields), which a real server does not echo. The same paths against real vLLM CPU servers are in
+``tests/integration/test_router.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from pool.redis_server import RedisServer
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from pool.types import BindingState, ReplicaState
+from router.app import create_app
+from router.settings import RouterSettings
+from tests.integration.harness import publish_ready, router_client, settled
+
+MODEL_PATH = "/fake/models/tiny"
+
+
+@dataclass
+class FakeVllm:
+    """Answers like vLLM 0.32 unless told otherwise (``mode``); records forwarded bodies."""
+
+    mode: str = "ok"
+    version: str = "0.32.0"
+    spans: Any = None
+    token_ids: list[int] = field(default_factory=lambda: [7, 8])
+    status: int = 200
+    delay_s: float = 0.0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    received: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/version", self.get_version)
+        for path in ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate"):
+            app.router.add_post(path, self.infer)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL_PATH}]})
+
+    async def get_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.version})
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": "ab",
+            "finish_reason": "length",
+            "token_ids": self.token_ids,
+        }
+        if self.spans is not None:
+            choice["weight_versions"] = self.spans
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "model": body.get("model"),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": len(self.token_ids),
+                "total_tokens": 3 + len(self.token_ids),
+            },
+        }
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.received.set()
+        try:
+            return await self._answer(request, body)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnected.set()
+            raise
+
+    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.mode == "ok":
+            return web.json_response(self.completion(body))
+        if self.mode == "status":
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "bad things",
+                        "type": "BadRequestError",
+                        "code": self.status,
+                    }
+                },
+                status=self.status,
+            )
+        if self.mode == "drop":
+            assert request.transport is not None
+            request.transport.abort()
+            await asyncio.sleep(1)
+            return web.Response()
+        if self.mode in ("stream", "stream_drop", "slow_stream"):
+            return await self._stream(request, body)
+        raise AssertionError(self.mode)
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+
+        async def event(obj: Any) -> None:
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        def chunk(tokens: list[int], finish: str | None, spans: Any = None) -> dict[str, Any]:
+            c: dict[str, Any] = {
+                "index": 0,
+                "text": "x" * len(tokens),
+                "token_ids": tokens,
+                "finish_reason": finish,
+            }
+            if spans is not None:
+                c["weight_versions"] = spans
+            return {"id": "cmpl-s", "model": body.get("model"), "choices": [c]}
+
+        if self.mode == "slow_stream":
+            for i in range(400):
+                await event(chunk([i], None))
+                await asyncio.sleep(0.025)
+        await event(chunk([1], None))
+        await event(chunk([2], None))
+        if self.mode == "stream_drop":
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await event(chunk([3], "length", self.spans))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await event(
+                {
+                    "id": "cmpl-s",
+                    "model": body.get("model"),
+                    "choices": [],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+                }
+            )
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
+    f = FakeVllm()
+    server = TestServer(f.app())
+    await server.start_server()
+    try:
+        yield f, str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+def settings(**kw: Any) -> RouterSettings:
+    base: dict[str, Any] = {"admission_wait_s": 0.5}
+    base.update(kw)
+    return RouterSettings(**base)
+
+
+async def sse(resp: Any) -> list[Any]:
+    events = []
+    text = (await resp.read()).decode()
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def no_leaks(store: RedisStore) -> None:
+    assert [r.active for r in await store.replicas()] == [0]
+    assert await store.leased_rollouts() == 0
+
+
+async def test_forwarded_body_salt_model_and_provenance(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    f, url = fake
+    await publish_ready(store, [("r0", url)], identity_digest="wid:1")
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "model": "rolloutpool",
+                "prompt": "p",
+                "max_tokens": 2,
+                "rollout": {"min_generation": 0},
+            },
+        )
+        assert r.status == 200, await r.text()
+        sent = f.bodies[-1]
+        assert sent["model"] == MODEL_PATH and sent["cache_salt"] == "g0"
+        assert "rollout" not in sent and "return_weight_versions" not in sent  # 0.32
+        body = await r.json()
+        assert body["model"] == "rolloutpool"
+        rid = body["rollout"]["id"]
+        assert body["rollout"] == {
+            "id": rid,
+            "generation": 0,
+            "label": "g0",
+            "identity_digest": "wid:1",
+            "replica": "r0",
+        }
+        assert {k: v for k, v in r.headers.items() if k.startswith("X-Rollout")} == {
+            "X-Rollout-Id": rid,
+            "X-Rollout-Generation": "0",
+            "X-Rollout-Label": "g0",
+            "X-Rollout-Identity": "wid:1",
+            "X-Rollout-Replica": "r0",
+        }
+        b = await settled(store, rid)
+        assert (b.state, b.prompt_tokens, b.completion_tokens) == (BindingState.FINISHED, 3, 2)
+
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL_PATH,
+                "messages": [{"role": "user", "content": "x"}],
+                "cache_salt": "tenant-7",
+            },
+        )
+        assert r.status == 200
+        assert f.bodies[-1]["cache_salt"] == "g0:tenant-7" and f.bodies[-1]["model"] == MODEL_PATH
+        assert (await r.json())["model"] == MODEL_PATH
+        r = await c.post(
+            "/inference/v1/generate",
+            json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}},
+        )
+        assert r.status == 200 and f.bodies[-1]["cache_salt"] == "g0"
+        assert f.bodies[-1]["model"] == MODEL_PATH
+        r = await c.post("/v1/completions", json={"model": "other", "prompt": "p"})
+        assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    await no_leaks(store)
+
+
+async def test_033_replicas_are_asked_for_spans(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    f, url = fake
+    f.version = "0.33.0"
+    f.spans = [{"version": "g0", "start": 0, "end": 2}]
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        assert r.status == 200
+        assert f.bodies[-1]["return_weight_versions"] is True
+
+
+@pytest.mark.parametrize(
+    "spans,tokens,violation",
+    [
+        ([{"version": "g0", "start": 0, "end": 2}], [7, 8], None),
+        ([], [], None),  # no tokens generated: no span needed
+        ([{"version": "g-old", "start": 0, "end": 2}], [7, 8], "sampled under weight version"),
+        (
+            [{"version": "g0", "start": 0, "end": 1}, {"version": "g1", "start": 1, "end": 2}],
+            [7, 8],
+            "2 weight_versions spans",
+        ),
+        ([], [7, 8], "no weight_versions span"),
+    ],
+)
+async def test_weight_versions_span_check(
+    fake: tuple[FakeVllm, str],
+    store_settings: StoreSettings,
+    store: RedisStore,
+    spans: Any,
+    tokens: list[int],
+    violation: str | None,
+) -> None:
+    f, url = fake
+    f.spans, f.token_ids = spans, tokens
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post(
+            "/inference/v1/generate",
+            json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}},
+        )
+        rid = r.headers["X-Rollout-Id"]
+        answer = await r.json()
+        b = await settled(store, rid)
+        replica = await store.replica("r0")
+        metrics = await (await c.get("/metrics")).text()
+    if violation is None:
+        assert r.status == 200 and b.state is BindingState.FINISHED
+        assert replica.state is ReplicaState.READY
+        return
+    assert r.status == 502
+    err = answer["error"]
+    assert err["code"] == "provenance_violation" and violation in err["reason"]
+    assert err["rollout"]["id"] == rid
+    assert b.state is BindingState.VIOLATED and violation in b.reason
+    assert replica.state is ReplicaState.TAINTED and "provenance violation" in replica.reason
+    assert 'rolloutpool_violations_total{replica="r0"} 1.0' in metrics
+    assert 'rolloutpool_rollouts_ended_total{state="violated"} 1.0' in metrics
+    await no_leaks(store)
+
+
+async def test_upstream_errors_abort_the_binding(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    f, url = fake
+    await publish_ready(store, [("r0", url)])
+    req = {"model": "rolloutpool", "prompt": "p"}
+    async with router_client(settings(), store_settings) as c:
+        f.mode, f.status = "status", 500
+        r = await c.post("/v1/completions", json=req)
+        assert r.status == 502
+        err = (await r.json())["error"]
+        assert err["code"] == "upstream_error" and err["upstream_status"] == 500
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert (b.state, b.reason) == (BindingState.ABORTED, "upstream 5xx: HTTP 500")
+
+        f.status = 400
+        r = await c.post("/v1/completions", json=req)
+        assert r.status == 400
+        body = await r.json()
+        assert body["error"]["message"] == "bad things"  # the replica's own body, passed through
+        assert body["rollout"]["id"] == r.headers["X-Rollout-Id"]
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert (b.state, b.reason) == (BindingState.ABORTED, "upstream 4xx: HTTP 400")
+
+        f.mode = "drop"
+        r = await c.post("/v1/completions", json=req)
+        assert r.status == 502
+        assert (await r.json())["error"]["code"] == "upstream_unavailable"
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert b.state is BindingState.ABORTED and "connection" in b.reason
+
+        f.mode = "stream_drop"
+        r = await c.post("/v1/completions", json={**req, "stream": True})
+        assert r.status == 200
+        events = await sse(r)
+        assert "[DONE]" not in events and events[-1]["error"]["code"] == "upstream_error"
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert b.state is BindingState.ABORTED and "connection lost" in b.reason
+    assert (await store.replica("r0")).state is ReplicaState.READY  # errors never taint
+    await no_leaks(store)
+
+
+async def test_stream_passthrough_shape(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """The forwarded stream request and the framing of the client's stream."""
+    f, url = fake
+    f.mode = "stream"
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post(
+            "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
+        )
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        rid = r.headers["X-Rollout-Id"]
+        events = await sse(r)
+        assert f.bodies[-1]["stream_options"] == {"include_usage": True}
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert [c["choices"][0]["token_ids"] for c in chunks] == [[1], [2], [3]]  # no usage
+        assert all(c["model"] == "rolloutpool" for c in chunks)
+        assert chunks[-1]["rollout"]["id"] == rid and "rollout" not in chunks[0]
+        b = await settled(store, rid)
+        assert (b.state, b.prompt_tokens, b.completion_tokens) == (BindingState.FINISHED, 4, 3)
+
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "model": "rolloutpool",
+                "prompt": "p",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        chunks = (await sse(r))[:-1]
+        assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
+        assert chunks[-1]["rollout"]["id"] == r.headers["X-Rollout-Id"]
+
+        f.spans = [{"version": "g9", "start": 0, "end": 3}]
+        r = await c.post(
+            "/inference/v1/generate",
+            json={
+                "token_ids": [1],
+                "sampling_params": {"max_tokens": 3},
+                "stream": True,
+            },
+        )
+        events = await sse(r)
+        assert events[-1]["error"]["code"] == "provenance_violation"
+        assert "g9" in events[-2]["rollout"]["violation"]
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert b.state is BindingState.VIOLATED
+    assert (await store.replica("r0")).state is ReplicaState.TAINTED
+    await no_leaks(store)
+
+
+async def test_client_disconnect_mid_stream_aborts_upstream_and_binding(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    f, url = fake
+    f.mode = "slow_stream"
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post(
+            "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
+        )
+        rid = r.headers["X-Rollout-Id"]
+        assert (await r.content.readuntil(b"\n\n")).startswith(b"data: ")
+        r.close()  # drop the connection mid-stream
+        await asyncio.wait_for(f.disconnected.wait(), 5)
+        for _ in range(100):
+            b = await settled(store, rid)
+            if b.state is not BindingState.ACTIVE:
+                break
+            await asyncio.sleep(0.05)
+        assert (b.state, b.reason) == (BindingState.ABORTED, "client disconnected")
+    await no_leaks(store)
+
+
+async def test_client_disconnect_while_waiting_aborts_upstream_and_binding(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    f, url = fake
+    f.delay_s = 30.0
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(), store_settings) as c:
+        task = asyncio.create_task(
+            c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        )
+        await asyncio.wait_for(f.received.wait(), 5)
+        (rid,) = await store.active_rollouts("r0")
+        task.cancel()
+        await asyncio.wait_for(f.disconnected.wait(), 5)
+        for _ in range(100):
+            b = await settled(store, rid)
+            if b.state is not BindingState.ACTIVE:
+                break
+            await asyncio.sleep(0.05)
+        assert (b.state, b.reason) == (BindingState.ABORTED, "client disconnected")
+    await no_leaks(store)
+
+
+async def test_long_request_keeps_its_lease(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """A generation longer than the request lease is not reaped: the router renews it."""
+    f, url = fake
+    f.delay_s = 1.0
+    await publish_ready(store, [("r0", url)])
+    s = settings(request_lease_s=0.3, reaper_interval_s=0.05)
+    async with router_client(s, store_settings) as c:
+        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        assert r.status == 200
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert b.state is BindingState.FINISHED, b.reason
+    await no_leaks(store)
+
+
+async def test_disconnect_is_noticed_without_handler_cancellation(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """The fallback documented in router.proxy: served without handler cancellation, a failed
+    SSE write still closes the upstream and aborts the binding."""
+    f, url = fake
+    f.mode = "slow_stream"
+    await publish_ready(store, [("r0", url)])
+    app = create_app(settings(), store_settings)
+    runner = web.AppRunner(app, handler_cancellation=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": "rolloutpool", "prompt": "p", "stream": True},
+            )
+            rid = r.headers["X-Rollout-Id"]
+            await r.content.readuntil(b"\n\n")
+            r.close()
+        await asyncio.wait_for(f.disconnected.wait(), 5)
+        for _ in range(100):
+            b = await settled(store, rid)
+            if b.state is not BindingState.ACTIVE:
+                break
+            await asyncio.sleep(0.05)
+        assert (b.state, b.reason) == (BindingState.ABORTED, "client disconnected")
+    finally:
+        await runner.cleanup()
+    await no_leaks(store)
+
+
+async def test_output_is_withheld_when_the_binding_ends_under_the_request(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """The updater aborts bindings at a drain deadline (then pauses and updates the replica):
+    output of a request whose binding was ended while it ran is never delivered."""
+    f, url = fake
+    f.delay_s = 0.5
+    await publish_ready(store, [("r0", url)])
+    req = {"model": "rolloutpool", "prompt": "p"}
+    async with router_client(settings(), store_settings) as c:
+
+        async def abort_when_received() -> list[str]:
+            await asyncio.wait_for(f.received.wait(), 5)
+            f.received.clear()
+            return await store.abort_active("r0", "drain deadline")
+
+        for body in (req, {**req, "stream": True}):
+            f.mode = "stream" if body.get("stream") else "ok"
+            answer, aborted = await asyncio.gather(
+                c.post("/v1/completions", json=body), abort_when_received()
+            )
+            rid = answer.headers["X-Rollout-Id"]
+            assert aborted == [rid]
+            if body.get("stream"):
+                events = await sse(answer)
+                assert "[DONE]" not in events
+                assert events[-1]["error"]["code"] == "binding_ended"
+                assert events[-2]["rollout"]["unconfirmed"] is True
+            else:
+                assert answer.status == 503
+                err = (await answer.json())["error"]
+                assert err["code"] == "binding_ended" and err["reason"] == "drain deadline"
+                assert "choices" not in await answer.text()
+            b = await store.binding(rid)
+            assert (b.state, b.reason) == (BindingState.ABORTED, "drain deadline")
+
+        f.mode = "ok"
+        sid = (await (await c.post("/v1/rollouts")).json())["rollout_id"]
+
+        async def close_when_received() -> int:
+            await asyncio.wait_for(f.received.wait(), 5)
+            return (await c.post(f"/v1/rollouts/{sid}/close")).status
+
+        answer, closed = await asyncio.gather(
+            c.post("/v1/completions", json=req, headers={"X-Rollout-Id": sid}),
+            close_when_received(),
+        )
+        assert closed == 200 and answer.status == 409
+        assert (await answer.json())["error"]["code"] == "binding_ended"
+    await no_leaks(store)
+
+
+async def test_output_is_withheld_when_the_store_cannot_confirm(
+    fake: tuple[FakeVllm, str], tmp_path: Path
+) -> None:
+    """Redis goes away while a request runs: the answer is withheld (fail closed)."""
+    f, url = fake
+    f.delay_s = 0.5
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        ss = StoreSettings(url=redis.url, namespace="confirm", socket_timeout_s=0.3)
+        store = RedisStore.connect(ss)
+        await publish_ready(store, [("r0", url)])
+        await store.close()
+        async with router_client(settings(), ss) as c:
+
+            async def stop_redis() -> None:
+                await asyncio.wait_for(f.received.wait(), 5)
+                redis.stop()
+
+            answer, _ = await asyncio.gather(
+                c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"}),
+                stop_redis(),
+            )
+            assert answer.status == 503
+            err = (await answer.json())["error"]
+            assert err["code"] == "store_unavailable"
+            assert err["rollout"]["id"] == answer.headers["X-Rollout-Id"]
+    finally:
+        redis.stop()
