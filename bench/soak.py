@@ -205,8 +205,9 @@ def merge_reliability(section: str, value: dict[str, Any]) -> Path:
     path = RESULTS / "reliability.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     data[section] = value
-    data.setdefault("commands", {})[section] = f"python -m bench.{Path(__file__).stem} " + " ".join(
-        sys.argv[1:])
+    from rolloutpool.results import _command
+
+    data.setdefault("commands", {})[section] = _command()
     for k in ("date", "command", "machine", "versions"):
         data.pop(k, None)
     return write("reliability", data)

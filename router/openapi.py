@@ -15,6 +15,7 @@ from router.admission import Constraints
 from router.status import TaintRequest
 
 _TEXT = {400: "bad JSON or body", 401: "missing or wrong client key", 403: "admin only",
+         422: "rejected by the replica (its 4xx is passed through)",
          404: "unknown route, model or rollout", 405: "method not allowed",
          409: "generation unsatisfiable or rollout not active", 413: "body too large",
          429: "rate limited", 502: "upstream error or provenance violation",
@@ -61,6 +62,9 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
                     "content": {"application/json": {"schema": {"type": "object", "properties":
                                                                 {"rollout": _ref("Rollout")}}},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
+            # the replica's own 4xx answers (e.g. 403, 422) are passed through unchanged
+            "4XX": _json(_ref("Error"), "client error (the router's, or the replica's "
+                         "passed through)"),
             **_errors(400, 401, 404, 409, 413, 429, 502, 503, 504),
         },
     }}
