@@ -16,6 +16,7 @@ Keys (``{ns}`` = ``{rp}`` by default)::
     {ns}:latest                hash: number label identity (the published generation)
     {ns}:generations           hash: number -> GenerationRecord JSON (declared generations)
     {ns}:journal               stream: every admission, release, transition and publish
+    {ns}:gen_admissions        hash: generation number -> rollouts admitted on it
     {ns}:updates               hash: update id -> the updater's UpdateRecord JSON
     {ns}:updates:order         zset: update id -> creation time (ms)
     {ns}:updater:lease         the updater lease (value = fencing token)
@@ -79,7 +80,7 @@ end
 
 # ADMIT — bind a rollout to a replica if I1 holds, in one step.
 # KEYS[1] replica hash  KEYS[2] active set  KEYS[3] binding  KEYS[4] leases  KEYS[5] latest
-# KEYS[6] journal
+# KEYS[6] journal  KEYS[7] per-generation admission counts
 # ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] lease ttl ms  ARGV[4] max_staleness
 # ARGV[5] min_generation (-1: none)  ARGV[6] exact generation (-1: none)  ARGV[7] session 0|1
 # ARGV[8] journal maxlen
@@ -105,6 +106,7 @@ redis.call('HSET', KEYS[3], 'rollout_id', ARGV[1], 'replica_id', ARGV[2], 'gener
   'created_ms', now, 'lease_expires_ms', now + tonumber(ARGV[3]), 'requests', 0,
   'prompt_tokens', 0, 'completion_tokens', 0)
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HINCRBY', KEYS[7], r[2], 1)
 journal(KEYS[6], ARGV[8], 'type', 'admit', 'rollout', ARGV[1], 'replica', ARGV[2],
   'generation', r[2])
 return {'ok', r[2], r[3], r[4], tostring(now)}
@@ -284,6 +286,7 @@ class Keys:
     latest = property(lambda self: f"{self.p}:latest")
     generations = property(lambda self: f"{self.p}:generations")
     journal = property(lambda self: f"{self.p}:journal")
+    gen_admissions = property(lambda self: f"{self.p}:gen_admissions")
     updates = property(lambda self: f"{self.p}:updates")
     updates_order = property(lambda self: f"{self.p}:updates:order")
     lease = property(lambda self: f"{self.p}:updater:lease")
@@ -392,6 +395,7 @@ class RedisStore:
                 self.k.leases,
                 self.k.latest,
                 self.k.journal,
+                self.k.gen_admissions,
             ],
             [
                 rollout_id,
@@ -737,6 +741,11 @@ class RedisStore:
     ) -> list[JournalEntry]:
         rows = await self._call(lambda: self.r.xrange(self.k.journal, start, end, count=count))
         return [JournalEntry(str(i), {str(k): str(v) for k, v in f.items()}) for i, f in rows]
+
+    async def generation_admissions(self) -> dict[int, int]:
+        """Rollouts admitted per generation number (counted by the ADMIT script)."""
+        raw = await self._call(lambda: self.r.hgetall(self.k.gen_admissions))
+        return {int(g): int(n) for g, n in raw.items()}
 
     async def leased_rollouts(self) -> int:
         n: int = await self._call(lambda: self.r.zcard(self.k.leases))

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import html
+import json
 import logging
 import time
 
@@ -128,18 +129,50 @@ _PAGE = """<!doctype html>
 <title>RolloutPool</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; }}
+table {{ border-collapse: collapse; margin-bottom: 1.5em; }}
 td, th {{ border: 1px solid #ccc; padding: .3em .8em; text-align: left; }}
-.READY {{ color: #070; }} .TAINTED {{ color: #b00; font-weight: bold; }}
+.READY, .succeeded {{ color: #070; }} .TAINTED, .failed {{ color: #b00; font-weight: bold; }}
 </style></head><body>
 <h1>RolloutPool</h1>
-<p>published generation: <b>{latest}</b> &middot; max staleness {staleness}
-&middot; <a href="/metrics">metrics</a></p>
-<table><tr><th>replica</th><th>state</th><th>generation</th><th>label</th>
+<p>published generation: <b id="latest">{latest}</b> &middot; max staleness {staleness}
+&middot; <a href="/metrics">metrics</a> &middot; refreshes every 2 s</p>
+<h2>Replicas</h2>
+<table id="replicas"><tr><th>replica</th><th>state</th><th>generation</th><th>label</th>
 <th>active / capacity</th><th>reason</th></tr>
 {rows}
+</table>
+<h2>Recent updates</h2>
+<table id="updates"><tr><th>update</th><th>generation</th><th>state</th><th>replica</th>
+<th>outcome</th><th>window s</th><th>phases (s)</th></tr>
+{updates}
+</table>
+<h2>Rollouts admitted per generation</h2>
+<table id="generations"><tr><th>generation</th><th>rollouts</th></tr>
+{generations}
 </table></body></html>
 """
+
+
+def _update_rows(raw: list[str]) -> str:
+    """Rows for the updater's records (JSON written by the updater into the shared store)."""
+    esc = html.escape
+    out = []
+    for text in raw:
+        try:
+            u = json.loads(text)
+        except ValueError:
+            continue
+        reps = u.get("replicas") or {"-": {}}
+        for rid, rep in reps.items():
+            phases = ", ".join(f"{esc(str(k))} {v:.3f}" for k, v in
+                               (rep.get("phases") or {}).items() if isinstance(v, int | float))
+            window = rep.get("window_s")
+            out.append(
+                f"<tr><td>{esc(str(u.get('id', '')))}</td><td>{esc(str(u.get('label', '')))}</td>"
+                f'<td class="{esc(str(u.get("state", "")))}">{esc(str(u.get("state", "")))}</td>'
+                f"<td>{esc(str(rid))}</td><td>{esc(str(rep.get('outcome', '-')))}</td>"
+                f"<td>{'-' if window is None else f'{window:.3f}'}</td><td>{phases}</td></tr>")
+    return "\n".join(out)
 
 
 async def dashboard(request: web.Request) -> web.Response:
@@ -147,6 +180,8 @@ async def dashboard(request: web.Request) -> web.Response:
     try:
         replicas = await store.replicas()
         latest = await store.latest()
+        updates = await store.updates_json(10)
+        counts = await store.generation_admissions()
     except StoreError as e:
         text = f"<!doctype html><p>store unavailable: {html.escape(e.message)}</p>"
         return web.Response(text=text, status=503, content_type="text/html")
@@ -162,5 +197,8 @@ async def dashboard(request: web.Request) -> web.Response:
         latest="none" if latest is None else f"{latest[0].number} ({esc(latest[0].label)})",
         staleness=request.app[SETTINGS].max_staleness,
         rows=rows,
+        updates=_update_rows(updates),
+        generations="\n".join(f"<tr><td>{g}</td><td>{n}</td></tr>"
+                               for g, n in sorted(counts.items(), reverse=True)),
     )
     return web.Response(text=page, content_type="text/html")

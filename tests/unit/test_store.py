@@ -50,6 +50,7 @@ async def test_admit_release_and_provenance(store: RedisStore) -> None:
     adm = await store.admit("ro1", "r0")
     assert (adm.generation, adm.label, adm.identity_digest) == (0, "g0", "id0")
     assert (await store.replica("r0")).active == 1
+    assert await store.generation_admissions() == {0: 1}
     assert await store.release("ro1", "r0", prompt_tokens=3, completion_tokens=7)
     assert not await store.release("ro1", "r0")  # idempotent
     b = await store.binding("ro1")
