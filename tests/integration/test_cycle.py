@@ -23,7 +23,15 @@ from pool.launcher import LocalReplica, ReplicaSpec
 from pool.models import ensure_model, marker_token
 from pool.store import RedisStore, UpdaterLease
 from pool.types import BindingState, Generation, ReplicaState, WeightIdentity
-from updater.cycle import CycleError, CycleRunner, Deadlines, Probe, ReplicaHandle, UpdateTarget
+from updater.cycle import (
+    CycleError,
+    CycleRunner,
+    Deadlines,
+    DrainPolicy,
+    Probe,
+    ReplicaHandle,
+    UpdateTarget,
+)
 from updater.transports.reload import ReloadTarget, ReloadTransport
 
 pytestmark = pytest.mark.integration
@@ -201,6 +209,25 @@ async def test_stuck_transfer_taints_within_deadline_then_recovers(pool: Pool) -
     assert await serve(p, "recovered", 4) == (marker_token(cur.number),) * 4
 
 
+async def test_abort_policy_ends_a_stuck_drain_and_records_it(pool: Pool) -> None:
+    """Policy ``abort``: a binding still open after ``drain_timeout_s`` is marked aborted in its
+    provenance (never silently lost), and the update goes on."""
+    p = pool
+    cur = p.handle.lc.generation
+    assert cur is not None
+    g = cur.number + 1
+    await p.store.admit("held-open", "r0", session=True)  # a session nobody closes
+    runner = CycleRunner(p.store, p.lease, ReloadTransport(), drain_policy=DrainPolicy.ABORT,
+                         drain_timeout_s=1.0)
+    t0 = time.monotonic()
+    report = await runner.run(p.handle, target(g))
+    assert report.outcome == "ready" and report.aborted_rollouts == ["held-open"]
+    assert 1.0 <= report.phases["drain"] < 5 and time.monotonic() - t0 < 10
+    b = await p.store.binding("held-open")
+    assert b.state is BindingState.ABORTED and "drain timeout" in b.reason
+    assert await serve(p, f"after-abort-{g}", 4) == (marker_token(g),) * 4
+
+
 async def test_failed_validation_taints_and_never_publishes(pool: Pool) -> None:
     p = pool
     cur = p.handle.lc.generation
@@ -213,3 +240,4 @@ async def test_failed_validation_taints_and_never_publishes(pool: Pool) -> None:
     assert (await p.store.latest())[0].number == cur.number  # type: ignore[index]
     with pytest.raises(AdmissionRefused):
         await p.store.admit("nope", "r0")
+
