@@ -112,19 +112,28 @@ async def test_full_cycle_with_a_live_rollout(pool: Pool) -> None:
     assert (await p.store.replica("r0")).state is S.READY
     assert await serve(p, "warm", 4) == (marker_token(0),) * 4
 
-    await p.runner.transport.preflight(p.handle.engine, ReloadTarget(
-        target(1).identity, target(1).path, p.handle.manifest))  # warm: file reads, threads
-    live = asyncio.create_task(serve(p, "live-256", 256))
+    async def live() -> tuple[int, ...]:
+        """Admitted before the drain; generates its 256 tokens only once the replica is
+        DRAINING, so the drain must wait for the whole generation whatever the machine speed."""
+        adm = await p.store.admit("live-256", "r0")
+        while (await p.store.replica("r0")).state is S.READY:
+            await asyncio.sleep(0.005)
+        out = await p.handle.engine.complete(list(PROMPT), max_tokens=256, temperature=1.0,
+                                             cache_salt=adm.label, timeout_s=120)
+        await p.store.release("live-256", "r0", completion_tokens=len(out))
+        return out
+
+    live_task = asyncio.create_task(live())
     while (await p.store.replica("r0")).active == 0:
         await asyncio.sleep(0.01)
     t0 = time.monotonic()
     report = await p.runner.run(p.handle, target(1))
     took = time.monotonic() - t0
-    tokens = await live
+    tokens = await live_task
 
     assert report.outcome == "ready" and p.handle.lc.state is S.READY
     assert tokens == (marker_token(0),) * 256, "the live rollout must finish on g0 alone"
-    assert report.window_s is not None
+    assert report.window_s is not None and report.phases["drain"] > 0.05
     assert set(report.phases) >= {"preflight", "drain", "pause", "transfer", "invalidate",
                                   "validate", "resume"}
     rec = await p.store.replica("r0")
