@@ -216,10 +216,19 @@ async def push(up: Updater, g: int, timeout_s: float = 300) -> dict[str, Any]:
 async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: int,
                          p: Params) -> dict[str, Any]:
     """Hold r1's /collective_rpc forever during the next update; measure taint and recovery."""
+    while (await store.replica("r1")).state is not S.READY:  # an earlier recovery may still run
+        await asyncio.sleep(0.2)
+    normal = up.runner.deadlines
+    # only while the fault is injected: a tight transfer deadline (ordinary reloads get the
+    # normal one, so a busy machine cannot turn a slow reload into a false "stuck" result)
+    up.runner.deadlines = normal.model_copy(update={"transfer_s": p.transfer_deadline_s})
     proxy.hang_paths.add("/collective_rpc")
     t0 = time.monotonic()
-    rec = await push(up, g)
-    proxy.hang_paths.clear()  # the restarted server must be reachable again for recovery
+    try:
+        rec = await push(up, g)
+    finally:
+        proxy.hang_paths.clear()  # the restarted server must be reachable again for recovery
+        up.runner.deadlines = normal
     entries = await store.journal()
     upd = [e for e in entries if e.type == "transition" and e.fields.get("replica") == "r1"
            and e.fields.get("to") == "UPDATING"]
@@ -331,7 +340,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     ]
     settings = UpdaterSettings(
         replicas=replicas, health_interval_s=0.5, health_failures=3,
-        deadlines=Deadlines(transfer_s=p.transfer_deadline_s),
+        deadlines=Deadlines(transfer_s=60.0),
     )
     up = Updater(settings, store)
     routers: list[subprocess.Popen[bytes]] = []
