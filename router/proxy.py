@@ -107,10 +107,9 @@ log = logging.getLogger("router")
 
 @dataclass
 class Timings:
-    """Where one non-streamed request's time went (seconds), sent as ``Server-Timing`` just
-    before the answer: ``admit`` (choosing + the ADMIT round trip), ``upstream`` (the replica's
-    answer) and ``router`` (everything in the handler but ``upstream``). The release happens
-    after the answer is written and is not part of it."""
+    """Where one non-streamed request's time went (seconds), sent as ``Server-Timing`` with
+    the answer: ``admit`` (choosing + the ADMIT round trip), ``upstream`` (the replica's answer)
+    and ``router`` (everything in the handler but ``upstream``, the release included)."""
 
     start: float
     admit: float = 0.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +58,12 @@ async def start_replicas(
     *,
     name: str = "router-itest",
     startup_timeout_s: float = 420.0,
+    env: Mapping[str, str] | None = None,
 ) -> list[LocalReplica]:
     """Start ``n`` replicas concurrently (core ``i % 2`` each); all or nothing.
 
-    If any fails to start, the others are stopped and the error is raised.
+    ``env`` is added to each server's environment. If any replica fails to start, the others
+    are stopped and the error is raised.
     """
     template = work_root / "chat_template.jinja"
     await asyncio.to_thread(work_root.mkdir, parents=True, exist_ok=True)
@@ -76,6 +78,7 @@ async def start_replicas(
                 extra_args=("--chat-template", str(template)),
                 work_dir=work_root / f"replica-{i}",
                 startup_timeout_s=startup_timeout_s,
+                env=dict(env or {}),
             )
         )
         for i in range(n)
