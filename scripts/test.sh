@@ -21,5 +21,5 @@ fi
 .venv/bin/ruff check pool router updater rolloutpool bench tests
 .venv/bin/mypy pool router updater rolloutpool
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
-.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider
-.venv/bin/python -m pytest tests/integration -m integration -q -p no:cacheprovider
+.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120
+.venv/bin/python -m pytest tests/integration -m integration -q -p no:cacheprovider --timeout 1800

@@ -1,8 +1,7 @@
-"""The router's OpenAPI document matches its routes, and is a valid OpenAPI 3.1 document."""
+"""The router's OpenAPI document matches its routes (its validity is exercised by the
+schemathesis fuzz run in tests/integration/test_reliability.py)."""
 
 from __future__ import annotations
-
-import schemathesis
 
 from pool.settings import StoreSettings
 from router.app import create_app
@@ -19,5 +18,6 @@ def test_document_matches_routes() -> None:
     }
     doc = document()
     assert routes == {(m, p) for p, ops in doc["paths"].items() for m in ops}
-    schema = schemathesis.openapi.from_dict(doc)
-    assert {op.ok().path for op in schema.get_all_operations()} == set(doc["paths"])
+    assert doc["openapi"] == "3.1.0"
+    for ops in doc["paths"].values():  # every operation answers something documented
+        assert all(op["responses"] for op in ops.values())

@@ -1,11 +1,11 @@
-"""The updater's OpenAPI document matches its routes, and is a valid OpenAPI 3.1 document."""
+"""The updater's OpenAPI document matches its routes (its validity is exercised by the
+schemathesis fuzz run in tests/integration/test_reliability.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-import schemathesis
 from safetensors.numpy import save_file
 
 from pool.settings import StoreSettings
@@ -31,5 +31,6 @@ def test_document_matches_routes(tmp_path: Path) -> None:
     doc = document()
     documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
     assert routes == documented
-    schema = schemathesis.openapi.from_dict(doc)
-    assert {op.ok().path for op in schema.get_all_operations()} == set(doc["paths"])
+    assert doc["openapi"] == "3.1.0"
+    for ops in doc["paths"].values():  # every operation answers something documented
+        assert all(op["responses"] for op in ops.values())
