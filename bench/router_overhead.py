@@ -176,6 +176,20 @@ async def workload(
     }
 
 
+ANALYSIS = (
+    "On this 2-core machine the router's own cost is one extra HTTP hop plus the ADMIT and "
+    "RELEASE Redis round trips (both before the answer is delivered: the release must confirm "
+    "that the binding was still active) plus about 20 us of JSON: see "
+    "router_vs_instant_stub_upstream. With the two vLLM replicas on the same two cores the "
+    "added latency grows several-fold, and so does every step inside the router (the ADMIT "
+    "round trip alone goes from ~0.2-0.4 ms to ~1.5-3 ms): each vLLM worker busy-polls its "
+    "shared-memory queue with sched_yield() for 1 s after every request "
+    "(vllm/distributed/device_communicators/shm_broadcast.py SpinCondition, busy_loop_s=1, not "
+    "configurable), so under this workload both cores are always taken by spinning workers "
+    "and the router, Redis and the client wait for CPU at every wake-up. Neither scheduling "
+    "the router and Redis at nice -10 nor pausing 20 ms between requests removes it. A router "
+    "on its own core(s), as deployed, is not subject to this."
+)
 STUB_MODEL = "/stub/model"
 STUB_BODY = {
     "id": "cmpl-stub",
@@ -352,6 +366,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "front of an aiohttp stand-in that answers at once, with the vLLM replicas stopped: "
             "the router's own cost (one extra HTTP hop, the ADMIT and RELEASE round trips, JSON) "
             "without competing for the 2 cores with vLLM's busy engine loops",
+            "analysis": ANALYSIS,
         },
         "replica_env": replica_env,
         "active_bindings_left": leftover,
