@@ -16,13 +16,9 @@ import time
 from pathlib import Path
 
 from pool.errors import RolloutPoolError
+from pool.launcher import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+__all__ = ["RedisServer", "free_port"]
 
 
 class RedisServer:

@@ -37,7 +37,6 @@ from pydantic import BaseModel, Field, field_validator
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
 from pool.errors import (
-    PreflightFailed,
     RolloutPoolError,
     StaleFencingToken,
     StoreConflict,
@@ -304,10 +303,7 @@ class Updater:
         next generation number and queue the update. Raises :class:`PreflightFailed`."""
         path = Path(req.checkpoint)
         first = next(iter(self.replicas.values()))
-        try:
-            manifest = await asyncio.to_thread(read_manifest, path)
-        except PreflightFailed:
-            raise
+        manifest = await asyncio.to_thread(read_manifest, path)  # PreflightFailed: refused
         ident = WeightIdentity(manifest_digest=manifest.digest, checkpoint_uri=str(path),
                                trainer_run=req.trainer_run, step=req.step,
                                content_hash=req.content_hash)
