@@ -126,6 +126,21 @@ async def _pinned_sessions(env: Env, http: httpx.AsyncClient, rid: str, n: int) 
     return ids
 
 
+async def _sentinel(url: str, model: str | None, first_token: asyncio.Event) -> None:
+    """Stream one long rollout from ``url``; set ``first_token`` when a token arrives. Ends
+    (quietly) when the stream does, e.g. when the replica is killed."""
+    body = {"model": model, "prompt": [9, 8, 7], "max_tokens": 480, "ignore_eos": True,
+            "stream": True}
+    try:
+        async with httpx.AsyncClient(timeout=600) as http, \
+                http.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    first_token.set()
+    except httpx.HTTPError:
+        pass
+
+
 async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, Any]:
     m = env.updater.replicas["r1"]
     assert m.launcher is not None and m.launcher.pid is not None
@@ -133,9 +148,23 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         ids = await _pinned_sessions(env, http, "r1", n)
         body = {"model": "rolloutpool", "prompt": [5, 6, 7], "max_tokens": 480,
                 "temperature": 1.0, "ignore_eos": True}
-        calls = [asyncio.create_task(http.post("/v1/completions", json=body,
-                                               headers={"X-Rollout-Id": i})) for i in ids]
-        await asyncio.sleep(0.15)
+        done_at: dict[str, float] = {}
+
+        async def call(rollout_id: str) -> httpx.Response:
+            try:
+                return await http.post("/v1/completions", json=body,
+                                       headers={"X-Rollout-Id": rollout_id})
+            finally:
+                done_at[rollout_id] = time.monotonic()
+
+        calls = [asyncio.create_task(call(i)) for i in ids]
+        # Fault once a sentinel rollout sent straight to the replica after them has streamed its
+        # first token: the rollouts under test are then generating, far from their last token.
+        # (A fixed sleep raced; so did polling /metrics, which vLLM answers late while busy.)
+        sentinel = asyncio.Event()
+        drain = asyncio.create_task(_sentinel(m.handle.engine.url, m.handle.engine.model_id,
+                                              sentinel))
+        await asyncio.wait_for(sentinel.wait(), timeout=60)
         t0 = time.monotonic()
         os.killpg(m.launcher.pid, sig)
         detected = recovered = None
@@ -148,22 +177,28 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
                 break
             await asyncio.sleep(0.05)
         results = await asyncio.gather(*calls, return_exceptions=True)
-    outcomes = []
+        drain.cancel()
+    outcomes: list[dict[str, Any]] = []
     for rid, res in zip(ids, results, strict=True):
         b = await env.store.binding(rid)
+        before = done_at[rid] < t0
         if isinstance(res, BaseException):
             outcomes.append({"client": type(res).__name__, "binding": b.state.value,
-                             "reason": b.reason})
+                             "reason": b.reason, "ended_before_fault": before})
             continue
         try:
             code = res.json().get("error", {}).get("code")
         except ValueError:
             code = None
         outcomes.append({"client": res.status_code, "error_code": code,
-                         "binding": b.state.value, "reason": b.reason})
+                         "binding": b.state.value, "reason": b.reason,
+                         "ended_before_fault": before})
     aborted = sum(1 for o in outcomes if isinstance(o["client"], int) and o["client"] >= 500
-                  and o["error_code"] and o["binding"] == "aborted" and o["reason"])
-    finished = sum(1 for o in outcomes if o["client"] == 200 and o["binding"] == "finished")
+                  and o["error_code"] and o["binding"] == "aborted" and o["reason"]
+                  and not o["ended_before_fault"])
+    # A session's binding outlives its requests: one that answered 200 before the fault is
+    # aborted later by the taint, which is right (its output was delivered while it was valid).
+    finished = sum(1 for o in outcomes if o["client"] == 200 and o["ended_before_fault"])
     latest = await env.store.latest()
     rec = await env.store.replica("r1")
     return {

@@ -60,6 +60,12 @@ PROBE_PROMPT = list(range(10, 26))
 NAMESPACE = "rolling"
 
 
+# A CPU replica starts in 20-60 s here. Rarely (about 1 in 3 full CI runs, always a restart
+# during the stuck-transfer fault) vLLM's API server stalls for minutes before spawning its
+# EngineCore; a shorter deadline than the launcher's 240 s lets the updater's retry recover it.
+STARTUP_TIMEOUT_S = 120.0
+
+
 @dataclass
 class Params:
     rollouts: int = 1000
@@ -214,7 +220,7 @@ async def push(up: Updater, g: int, timeout_s: float = 300) -> dict[str, Any]:
 
 
 async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: int,
-                         p: Params) -> dict[str, Any]:
+                         p: Params, r1_dir: Path) -> dict[str, Any]:
     """Hold r1's /collective_rpc forever during the next update; measure taint and recovery."""
     while (await store.replica("r1")).state is not S.READY:  # an earlier recovery may still run
         await asyncio.sleep(0.2)
@@ -237,7 +243,7 @@ async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: i
     tainted_after = ((int(taint[-1].fields["ts"]) - int(upd[-1].fields["ts"])) / 1000
                      if upd and taint else None)
     recovered = False
-    while time.monotonic() - t0 < 240:
+    while time.monotonic() - t0 < 420:  # room for one hung start (STARTUP_TIMEOUT_S) + a retry
         r1 = await store.replica("r1")
         latest = await store.latest()
         if r1.state is S.READY and latest is not None and r1.generation == latest[0].number:
@@ -247,7 +253,17 @@ async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: i
     return {"deadline_s": p.transfer_deadline_s, "tainted_after_s": tainted_after,
             "recovered": recovered, "recovered_after_s": round(time.monotonic() - t0, 1),
             "held_calls": proxy.held, "update_state": rec["state"],
-            "r1_outcome": rec["replicas"].get("r1", {}).get("outcome")}
+            "r1_outcome": rec["replicas"].get("r1", {}).get("outcome"),
+            "r1_launches": launches(r1_dir)}
+
+
+def launches(work_dir: Path) -> int:
+    """How many times the launcher started the server whose log is in ``work_dir``."""
+    log = work_dir / "server.log"
+    if not log.exists():
+        return 0
+    with log.open(errors="replace") as f:
+        return sum(1 for line in f if line.startswith("=== ") and "rolloutpool launch" in line)
 
 
 async def router_kill(redis_url: str, store: RedisStore, lease_s: float) -> dict[str, Any]:
@@ -281,25 +297,45 @@ async def router_kill(redis_url: str, store: RedisStore, lease_s: float) -> dict
             "checked_after_s": round(time.monotonic() - t_kill, 1)}
 
 
-async def unsafe_keep_mode(url: str, g_from: int, g_to: int) -> dict[str, Any]:
-    """Negative control: pause(keep) + reload + resume with rollouts in flight, no drain."""
+async def unsafe_keep_mode(
+    url: str, g_from: int, g_to: int, n: int = 32, attempts: int = 10
+) -> dict[str, Any]:
+    """Negative control: pause(keep) + reload + resume with rollouts in flight, no drain.
+
+    Each attempt starts ``n`` long rollouts and pauses as soon as the server reports one
+    running. The window is timing-dependent: on a busy 2-core box vLLM's API server answers
+    other HTTP calls (``/metrics``, ``/pause``) seconds late while it generates, so the pause
+    often lands after the rollouts finished (measured: about half the attempts show no
+    mixing). Up to ``attempts`` attempts run, alternating
+    between the two markers, until one shows mixing; the replica ends on ``g_to`` or
+    ``g_from`` (``on_generation``) and the attempts made are reported.
+    """
     eng = VllmEngine(url, timeout=120)
     await eng.bootstrap()
-    old, new = marker_token(g_from), marker_token(g_to)
-
-    async def one(i: int) -> tuple[int, ...]:
-        return await eng.complete([3 + i, 4, 5], max_tokens=300, temperature=1.0,
-                                  timeout_s=120)
-
-    tasks = [asyncio.create_task(one(i)) for i in range(32)]
-    await asyncio.sleep(0.4)
-    await eng.pause("keep")
-    await eng.collective_rpc("reload_weights", {"weights_path": str(marker(g_to))})
-    await eng.resume()
-    outs = await asyncio.gather(*tasks)
-    mixed = sum(1 for o in outs if old in o and new in o)
-    await eng.aclose()
-    return {"rollouts": len(outs), "cross_generation": mixed}
+    mixed = made = running = 0
+    on, to = g_from, g_to
+    try:
+        for made in range(1, attempts + 1):  # noqa: B007 (reported below)
+            old, new = marker_token(on), marker_token(to)
+            tasks = [asyncio.create_task(eng.complete(
+                [3 + i, 4, 5], max_tokens=480, temperature=1.0, timeout_s=120))
+                for i in range(n)]
+            deadline = time.monotonic() + 30
+            running = 0
+            while running < 1 and time.monotonic() < deadline:
+                running = (await eng.metrics()).requests_running
+            await eng.pause("keep")
+            await eng.collective_rpc("reload_weights", {"weights_path": str(marker(to))})
+            await eng.resume()
+            outs = await asyncio.gather(*tasks)
+            mixed = sum(1 for o in outs if old in o and new in o)
+            on, to = to, on
+            if mixed:
+                break
+    finally:
+        await eng.aclose()
+    return {"rollouts": n, "attempts": made, "cross_generation": mixed,
+            "on_generation": on}
 
 
 def cross_generation(rollouts: list[Rollout]) -> list[str]:
@@ -334,9 +370,11 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     base = marker(0)
     replicas = [
         ReplicaConfig(id="r0", model=base, launch=ReplicaSpec(
-            model=base, name="roll-r0", cpu_bind="0", work_dir=workdir / "r0")),
+            model=base, name="roll-r0", cpu_bind="0", work_dir=workdir / "r0",
+            startup_timeout_s=STARTUP_TIMEOUT_S)),
         ReplicaConfig(id="r1", model=base, url=proxy.url, launch=ReplicaSpec(
-            model=base, name="roll-r1", cpu_bind="1", port=r1_port, work_dir=workdir / "r1")),
+            model=base, name="roll-r1", cpu_bind="1", port=r1_port, work_dir=workdir / "r1",
+            startup_timeout_s=STARTUP_TIMEOUT_S)),
     ]
     settings = UpdaterSettings(
         replicas=replicas, health_interval_s=0.5, health_failures=3,
@@ -371,7 +409,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         t_updates_end = time.monotonic()
         faults: dict[str, Any] = {}
         if p.stuck_transfer:
-            faults["stuck_transfer"] = await stuck_transfer(up, proxy, store, g, p)
+            faults["stuck_transfer"] = await stuck_transfer(up, proxy, store, g, p,
+                                                               workdir / "r1")
             print(f"stuck transfer: {faults['stuck_transfer']}", flush=True)
             g += 1
         if p.router_kill:
