@@ -60,11 +60,12 @@ PROBE_PROMPT = list(range(10, 26))
 NAMESPACE = "rolling"
 
 
-# A CPU replica starts in 20-60 s here. A restart during the stuck-transfer fault has twice
-# produced nothing for minutes (imports read from a cold page cache on this VM's throttled disk:
-# /proc/pressure/io showed ~33% full stalls). A shorter deadline than the launcher's 240 s lets
-# the updater's retry, which finds a warm cache, recover it; ``r1_launches`` reports the tries.
-STARTUP_TIMEOUT_S = 120.0
+# A CPU replica starts in 20-60 s here, but a restart during the stuck-transfer fault, with r0
+# under full rollout load, has taken over 2 minutes (imports 37 s, EngineCore spawn 46 s), and
+# twice made no progress for 4 minutes (cause not found). The launcher's 240 s deadline kills a
+# stalled start and the updater's supervisor retries; the recovery wait below leaves room for
+# one stall plus one slow start. ``r1_launches`` reports the tries.
+STARTUP_TIMEOUT_S = 240.0
 
 
 @dataclass
