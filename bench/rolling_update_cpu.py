@@ -305,12 +305,12 @@ async def unsafe_keep_mode(
     """Negative control: pause(keep) + reload + resume with rollouts in flight, no drain.
 
     Each attempt starts ``n`` long rollouts and pauses as soon as the server reports one
-    running. The window is timing-dependent: on a busy 2-core box vLLM's API server answers
-    other HTTP calls (``/metrics``, ``/pause``) seconds late while it generates, so the pause
-    often lands after the rollouts finished (measured: about half the attempts show no
-    mixing). Up to ``attempts`` attempts run, alternating
-    between the two markers, until one shows mixing; the replica ends on ``g_to`` or
-    ``g_from`` (``on_generation``) and the attempts made are reported.
+    running. The window is timing-dependent: on a busy 2-core box the control calls
+    (``/metrics``, ``/pause``, through the client that also sends the rollouts) come back
+    seconds late (``bench/control_latency.py``), so the pause often lands after the rollouts
+    finished (measured: about half the attempts show no mixing). Up to ``attempts`` attempts
+    run, alternating between the two markers, until one shows mixing; the replica ends on
+    ``g_to`` or ``g_from`` (``on_generation``) and the attempts made are reported.
     """
     eng = VllmEngine(url, timeout=120)
     await eng.bootstrap()
