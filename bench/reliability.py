@@ -141,6 +141,23 @@ async def _sentinel(url: str, model: str | None, first_token: asyncio.Event) -> 
         pass
 
 
+async def watch_recovery(store: RedisStore, replica_id: str, t0: float, *,
+                         timeout_s: float, poll_s: float = 0.05) -> tuple[float | None,
+                                                                           float | None]:
+    """After a fault at monotonic ``t0``: seconds until the replica left READY (detected) and
+    until it was READY again (recovered); None for what did not happen within ``timeout_s``."""
+    detected = recovered = None
+    while time.monotonic() - t0 < timeout_s:
+        state = (await store.replica(replica_id)).state
+        if detected is None and state is not S.READY:
+            detected = time.monotonic() - t0
+        if detected is not None and state is S.READY:
+            recovered = time.monotonic() - t0
+            break
+        await asyncio.sleep(poll_s)
+    return detected, recovered
+
+
 async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, Any]:
     m = env.updater.replicas["r1"]
     assert m.launcher is not None and m.launcher.pid is not None
@@ -167,15 +184,7 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         await asyncio.wait_for(sentinel.wait(), timeout=60)
         t0 = time.monotonic()
         os.killpg(m.launcher.pid, sig)
-        detected = recovered = None
-        while time.monotonic() - t0 < 300:
-            rec = await env.store.replica("r1")
-            if detected is None and rec.state is not S.READY:
-                detected = time.monotonic() - t0
-            if detected is not None and rec.state is S.READY:
-                recovered = time.monotonic() - t0
-                break
-            await asyncio.sleep(0.05)
+        detected, recovered = await watch_recovery(env.store, "r1", t0, timeout_s=300)
         results = await asyncio.gather(*calls, return_exceptions=True)
         drain.cancel()
     outcomes: list[dict[str, Any]] = []

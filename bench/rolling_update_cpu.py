@@ -45,7 +45,7 @@ import httpx
 
 from bench.fault_proxy import FaultProxy
 from pool.engine import VllmEngine
-from pool.launcher import ReplicaSpec
+from pool.launcher import ReplicaSpec, count_launches
 from pool.models import ensure_model, marker_token
 from pool.redis_server import RedisServer, free_port
 from pool.settings import StoreSettings
@@ -222,8 +222,10 @@ async def push(up: Updater, g: int, timeout_s: float = 300) -> dict[str, Any]:
 
 
 async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: int,
-                         p: Params, r1_dir: Path) -> dict[str, Any]:
+                         p: Params) -> dict[str, Any]:
     """Hold r1's /collective_rpc forever during the next update; measure taint and recovery."""
+    launcher = up.replicas["r1"].launcher
+    assert launcher is not None
     while (await store.replica("r1")).state is not S.READY:  # an earlier recovery may still run
         await asyncio.sleep(0.2)
     normal = up.runner.deadlines
@@ -256,16 +258,8 @@ async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: i
             "recovered": recovered, "recovered_after_s": round(time.monotonic() - t0, 1),
             "held_calls": proxy.held, "update_state": rec["state"],
             "r1_outcome": rec["replicas"].get("r1", {}).get("outcome"),
-            "r1_launches": launches(r1_dir)}
+            "r1_launches": count_launches(launcher.log_path)}
 
-
-def launches(work_dir: Path) -> int:
-    """How many times the launcher started the server whose log is in ``work_dir``."""
-    log = work_dir / "server.log"
-    if not log.exists():
-        return 0
-    with log.open(errors="replace") as f:
-        return sum(1 for line in f if line.startswith("=== ") and "rolloutpool launch" in line)
 
 
 async def router_kill(redis_url: str, store: RedisStore, lease_s: float) -> dict[str, Any]:
@@ -411,8 +405,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         t_updates_end = time.monotonic()
         faults: dict[str, Any] = {}
         if p.stuck_transfer:
-            faults["stuck_transfer"] = await stuck_transfer(up, proxy, store, g, p,
-                                                               workdir / "r1")
+            faults["stuck_transfer"] = await stuck_transfer(up, proxy, store, g, p)
             print(f"stuck transfer: {faults['stuck_transfer']}", flush=True)
             g += 1
         if p.router_kill:

@@ -43,13 +43,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pool.errors import RolloutPoolError
 
-__all__ = ["LaunchError", "LocalReplica", "ReplicaSpec", "free_port", "log_tail"]
+__all__ = ["LaunchError", "LocalReplica", "ReplicaSpec", "count_launches", "free_port", "log_tail"]
 
 MIB = 1024 * 1024
 
 #: Unix socket paths are limited to 107 bytes; vLLM puts ``<base>/<uuid4>`` ZMQ sockets under
 #: ``VLLM_RPC_BASE_PATH``, so the base must stay well below that.
 _MAX_RPC_BASE_LEN = 64
+LAUNCH_MARK = "rolloutpool launch:"  # in the line each spawn writes to the server log
 
 
 class LaunchError(RolloutPoolError):
@@ -76,6 +77,15 @@ def log_tail(path: Path, lines: int = 40) -> str:
             return "".join(deque(f, maxlen=lines))
     except FileNotFoundError:
         return ""
+
+
+def count_launches(log_path: Path) -> int:
+    """How many times a server was spawned with its output in ``log_path`` (0 if none)."""
+    try:
+        with log_path.open("r", errors="replace") as f:
+            return sum(1 for line in f if line.startswith("=== ") and LAUNCH_MARK in line)
+    except FileNotFoundError:
+        return 0
 
 
 class ReplicaSpec(BaseModel):
@@ -236,7 +246,7 @@ class LocalReplica:
         argv, env = self.spec.command(self.port, self.work_dir, rpc_dir)
         with self.log_path.open("ab") as log:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-            log.write(f"=== {stamp} rolloutpool launch: {' '.join(argv)}\n".encode())
+            log.write(f"=== {stamp} {LAUNCH_MARK} {' '.join(argv)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
                 argv,

@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from bench.reliability import watch_recovery
 from pool.errors import StoreConflict
 from pool.launcher import ReplicaSpec, free_port
 from pool.models import ensure_model, marker_token
@@ -174,17 +175,10 @@ async def test_killed_replica_is_detected_and_recovered_at_latest(env: Env) -> N
     await env.store.admit("inflight", "r1")
     t0 = time.monotonic()
     m.launcher.kill(signal.SIGKILL)
-    detected = recovered = None
-    while time.monotonic() - t0 < 240:
-        rec = await env.store.replica("r1")
-        if detected is None and rec.state is not S.READY:
-            detected = time.monotonic() - t0
-        if detected is not None and rec.state is S.READY:
-            recovered = time.monotonic() - t0
-            break
-        await asyncio.sleep(0.1)
+    detected, recovered = await watch_recovery(env.store, "r1", t0, timeout_s=240, poll_s=0.1)
     assert detected is not None and detected < 5, detected
     assert recovered is not None
+    rec = await env.store.replica("r1")
     b = await env.store.binding("inflight")
     assert b.state.value == "aborted" and "tainted" in b.reason
     assert (rec.generation, rec.label) == (1, "g1")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pool.launcher import ReplicaSpec, free_port, log_tail
+from pool.launcher import LAUNCH_MARK, ReplicaSpec, count_launches, free_port, log_tail
 
 
 def test_cpu_command_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,3 +55,14 @@ def test_helpers(tmp_path: Path) -> None:
     log.write_text("".join(f"line {i}\n" for i in range(100)))
     assert log_tail(log, 2) == "line 98\nline 99\n"
     assert log_tail(tmp_path / "missing.log") == ""
+
+
+def test_count_launches_counts_the_lines_spawn_writes(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    assert count_launches(log) == 0  # no log yet
+    log.write_text(
+        f"=== 2026-11-30T07:22:43 {LAUNCH_MARK} python -m vllm...\n"
+        "INFO: rolloutpool launch: mentioned in server output, not a launch\n"
+        f"=== 2026-11-30T07:26:49 {LAUNCH_MARK} python -m vllm...\n"
+    )
+    assert count_launches(log) == 2
