@@ -8,9 +8,12 @@ pool (:class:`ReplicaView`):
    the published one, that meet the client's constraints, that serve the requested model, and
    that have spare capacity;
 2. fewest active bindings first (the view's count for other routers' bindings, this router's
-   own live count for its own in-flight requests), ties broken by **rendezvous hashing** of a
-   prefix key (the prompt's first 256 characters or 64 token ids), so equal prompts land on the
-   same replica and reuse its prefix cache.
+   own live count for its own in-flight requests, its admissions still awaiting the ADMIT
+   script, and its session admissions the cached view may not include yet), ties broken by
+   **rendezvous hashing** of a prefix key (the prompt's first 256 characters or 64 token ids),
+   so equal prompts land on the same replica and reuse its prefix cache. Because a choice is
+   counted the moment it is made, a burst of concurrent admissions spreads over the replicas
+   instead of all reading the same counts and picking the same one.
 
 If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries with backoff until
 ``admission_wait_s`` is spent, then raises :class:`~router.errors.NoReplicaAvailable` (503 with
@@ -190,6 +193,9 @@ class PoolSnapshot:
     latest: Generation | None
     taken: float
     own_at_read: Mapping[str, int]
+    epoch: int = 0
+    """The view's epoch when the read began: session admissions completed in a later epoch
+    may be missing from ``replicas[*].active``."""
 
     def replica(self, replica_id: str) -> ReplicaRecord | None:
         for r in self.replicas:
@@ -199,12 +205,19 @@ class PoolSnapshot:
 
 
 class ReplicaView:
-    """A cached read of the store's replicas and published generation, refreshed after ``ttl_s``.
+    """A cached read of the store's replicas and published generation, refreshed after ``ttl_s``,
+    plus this router's own counts that the read cannot include yet.
 
     Concurrent callers share one refresh (single flight); a cancelled caller does not cancel it.
     The view is only used to *order* candidates and find URLs; admission itself is atomic in
-    Redis, so a stale view costs at most a refused ADMIT and a retry. Also counts this router's
-    own in-flight single requests per replica (:meth:`started` / :meth:`finished`).
+    Redis, so a stale view costs at most a refused ADMIT and a retry.
+
+    Own counts, per replica, all synchronous (no await between a choice and its count):
+
+    - ``own``: this router's in-flight single requests (:meth:`started` / :meth:`finished`);
+    - pending choices whose ADMIT is in flight (:meth:`reserve` / :meth:`unreserve`);
+    - session admissions made since the cached read began (:meth:`session_admitted`), dropped
+      once a read that began after them replaces the snapshot.
     """
 
     def __init__(self, store: RedisStore, ttl_s: float) -> None:
@@ -213,6 +226,9 @@ class ReplicaView:
         self._snap: PoolSnapshot | None = None
         self._refresh: asyncio.Future[PoolSnapshot] | None = None
         self.own: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()
+        self._sessions: list[tuple[int, str]] = []  # (epoch when admitted, replica id)
+        self._epoch = 0
 
     async def get(self, *, fresh: bool = False) -> PoolSnapshot:
         snap = self._snap
@@ -226,20 +242,26 @@ class ReplicaView:
     def _refreshed(self, fut: asyncio.Future[PoolSnapshot]) -> None:
         self._refresh = None
         if not fut.cancelled() and fut.exception() is None:
-            self._snap = fut.result()
+            snap = self._snap = fut.result()
+            self._sessions = [(e, rid) for e, rid in self._sessions if e >= snap.epoch]
 
     async def _load(self) -> PoolSnapshot:
         own = dict(self.own)
+        self._epoch += 1
+        epoch = self._epoch
         replicas, latest = await asyncio.gather(self.store.replicas(), self.store.latest())
-        return PoolSnapshot(tuple(replicas), latest[0] if latest else None, time.monotonic(), own)
+        latest_gen = latest[0] if latest else None
+        return PoolSnapshot(tuple(replicas), latest_gen, time.monotonic(), own, epoch)
 
     def invalidate(self) -> None:
         self._snap = None
 
     def load(self, snap: PoolSnapshot, r: ReplicaRecord) -> int:
-        """Active bindings on ``r``: others' as of the snapshot plus this router's live ones."""
-        others = max(0, r.active - snap.own_at_read.get(r.replica_id, 0))
-        return others + self.own[r.replica_id]
+        """Active bindings on ``r``: others' as of the snapshot plus this router's own counts."""
+        rid = r.replica_id
+        others = max(0, r.active - snap.own_at_read.get(rid, 0))
+        unseen = sum(1 for e, x in self._sessions if x == rid and e >= snap.epoch)
+        return others + self.own[rid] + self._pending[rid] + unseen
 
     def started(self, replica_id: str) -> None:
         self.own[replica_id] += 1
@@ -248,6 +270,19 @@ class ReplicaView:
         self.own[replica_id] -= 1
         if self.own[replica_id] <= 0:
             del self.own[replica_id]
+
+    def reserve(self, replica_id: str) -> None:
+        """Count a choice whose ADMIT is in flight (call before awaiting it)."""
+        self._pending[replica_id] += 1
+
+    def unreserve(self, replica_id: str) -> None:
+        self._pending[replica_id] -= 1
+        if self._pending[replica_id] <= 0:
+            del self._pending[replica_id]
+
+    def session_admitted(self, replica_id: str) -> None:
+        """Count a session binding until a read that began after its admission is cached."""
+        self._sessions.append((self._epoch, replica_id))
 
 
 def candidates(
@@ -328,6 +363,7 @@ class Admitter:
                 snap = await self.view.get(fresh=fresh)
                 check_satisfiable(snap.latest, constraints, self.max_staleness)
                 for r in candidates(self.view, snap, constraints, self.max_staleness, key, accept):
+                    self.view.reserve(r.replica_id)
                     try:
                         adm = await self._admit_one(
                             rollout_id, r.replica_id, constraints, session, lease_s
@@ -335,6 +371,10 @@ class Admitter:
                     except AdmissionRefused as e:
                         refusals[r.replica_id] = e.reason
                         continue
+                    finally:
+                        self.view.unreserve(r.replica_id)
+                    if session:
+                        self.view.session_admitted(r.replica_id)
                     self.metrics.admissions.labels(r.replica_id).inc()
                     self.metrics.admission_latency.observe(time.monotonic() - t0)
                     return Admitted(adm, r)

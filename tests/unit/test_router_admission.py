@@ -3,16 +3,20 @@ real Redis and no vLLM (replica URLs point at closed ports)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
 from router.admission import (
+    Admitter,
     Constraints,
     GenerationUnsatisfiable,
     PoolSnapshot,
@@ -21,6 +25,7 @@ from router.admission import (
     candidates,
     check_satisfiable,
 )
+from router.bindings import Bindings
 from router.errors import BadRequest
 from router.settings import RouterSettings
 from tests.integration.harness import publish_ready, router_client
@@ -134,6 +139,52 @@ def test_own_inflight_counts_steer_load() -> None:
     v.finished("a")
     v.finished("a")
     assert v.own == Counter()
+
+
+def admitter(store: RedisStore, ttl_s: float) -> Admitter:
+    metrics = RouterMetrics.create(CollectorRegistry())
+    return Admitter(
+        store,
+        ReplicaView(store, ttl_s),
+        Bindings(store, metrics),
+        metrics,
+        max_staleness=0,
+        wait_s=1.0,
+        retry_after_s=1,
+    )
+
+
+async def test_a_burst_of_admissions_spreads_over_the_replicas(store: RedisStore) -> None:
+    """20 concurrent admissions with the same prefix key read the same cached counts; each
+    choice is counted before its ADMIT is awaited, so they alternate instead of all landing on
+    the replica the key prefers."""
+    await publish_ready(store, [("r0", DEAD), ("r1", DEAD)])
+    adm = admitter(store, ttl_s=60.0)
+    burst = [
+        adm.admit(f"ro-{i}", Constraints(), b"same", session=False, lease_s=30) for i in range(20)
+    ]
+    got = await asyncio.gather(*burst)
+    per = Counter(a.replica.replica_id for a in got)
+    assert per == Counter({"r0": 10, "r1": 10}), per
+    snap = await adm.view.get()  # the cached read from before the burst: nothing left pending
+    assert [(r.active, adm.view.load(snap, r)) for r in snap.replicas] == [(0, 0), (0, 0)]
+    for a in got:
+        await store.release(a.admission.rollout_id, a.replica.replica_id)
+
+
+async def test_sessions_count_before_the_cached_view_sees_them(store: RedisStore) -> None:
+    """Sequential session admissions within one cached view (60 s TTL) still alternate: the
+    view counts its own session admissions until a later read includes them."""
+    await publish_ready(store, [("r0", DEAD), ("r1", DEAD)])
+    adm = admitter(store, ttl_s=60.0)
+    got = [
+        await adm.admit(f"ro-s{i}", Constraints(), b"", session=True, lease_s=30) for i in range(6)
+    ]
+    assert Counter(a.replica.replica_id for a in got) == Counter({"r0": 3, "r1": 3})
+    snap = await adm.view.get(fresh=True)  # a read that includes them replaces the counts
+    assert [adm.view.load(snap, r) for r in snap.replicas] == [3, 3]
+    for a in got:
+        await store.release(a.admission.rollout_id, a.replica.replica_id)
 
 
 def test_affinity_key_forms() -> None:
