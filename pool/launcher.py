@@ -10,7 +10,8 @@ environment without side effects (pure, unit-testable). :class:`LocalReplica` ru
   trusted: it answers 200 before the engine has run a request, and some engines die on their
   first one (the eager-bf16 SIGILL in ``reference/vllm-cpu.md`` §8). On any failure the process
   group is killed and :class:`LaunchError` is raised with the exit code and the log's tail;
-  nothing is left running.
+  nothing is left running. A start that misses its deadline is first sent SIGABRT, so the log
+  ends with every process's Python stacks (``PYTHONFAULTHANDLER=1`` is in the environment).
 * ``await stop()`` sends SIGTERM to the whole group, waits up to a grace period, then SIGKILLs
   the group. Idempotent; safe on a replica that never started or already died.
 * ``kill(sig)`` signals the group without waiting (tests use it to simulate a crash).
@@ -169,6 +170,9 @@ class ReplicaSpec(BaseModel):
                 "TMPDIR": str(work_dir / "tmp"),
                 "VLLM_RPC_BASE_PATH": str(rpc_dir),
                 "PYTHONUNBUFFERED": "1",
+                # a start that misses its deadline gets SIGABRT first: every process of the
+                # group then writes its Python stacks to the log (see LocalReplica.start)
+                "PYTHONFAULTHANDLER": "1",
             }
         )
         if self.flavor == "cpu":
@@ -276,8 +280,10 @@ class LocalReplica:
                         await self._fail(f"server exited during startup ({phase} phase)")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
+                        await self._dump_stacks()
                         await self._fail(
-                            f"not ready after {self.spec.startup_timeout_s:.0f}s ({phase} phase)"
+                            f"not ready after {self.spec.startup_timeout_s:.0f}s ({phase} phase); "
+                            "the log ends with each process's Python stacks"
                         )
                     try:
                         if phase == "health":
@@ -295,6 +301,14 @@ class LocalReplica:
             raise
         self.startup_s = time.monotonic() - t0
         return self.startup_s
+
+    async def _dump_stacks(self, wait_s: float = 3.0) -> None:
+        """SIGABRT the group: with ``PYTHONFAULTHANDLER`` set, each Python process writes all
+        its threads' stacks to the log before it dies (where a stuck start was stuck)."""
+        self.kill(signal.SIGABRT)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(self._proc.wait, wait_s)
 
     async def _probe(self, client: httpx.AsyncClient, limit_s: float) -> None:
         body: dict[str, Any] = {
