@@ -6,7 +6,10 @@ environment without side effects (pure, unit-testable). :class:`LocalReplica` ru
 * ``await start()`` spawns the server in its own session/process group (so the API server,
   EngineCore and worker processes can be signalled together), logs stdout+stderr to
   ``<work_dir>/server.log``, then polls ``GET /health`` **and** one tiny greedy completion
-  (``max_tokens=1``) until both succeed or the startup deadline passes. ``/health`` alone is not
+  (``max_tokens=1``) until both succeed or a startup deadline passes: ``startup_timeout_s``
+  counts only while the process group makes no progress (no CPU time, no log output for
+  ``startup_stall_s``), so a start slowed by a saturated host is not killed halfway and begun
+  again; ``startup_max_s`` bounds every start. ``/health`` alone is not
   trusted: it answers 200 before the engine has run a request, and some engines die on their
   first one (the eager-bf16 SIGILL in ``reference/vllm-cpu.md`` §8). On any failure the process
   group is killed and :class:`LaunchError` is raised with the exit code and the log's tail;
@@ -40,11 +43,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pool.errors import RolloutPoolError
 
-__all__ = ["LaunchError", "LocalReplica", "ReplicaSpec", "count_launches", "free_port", "log_tail"]
+__all__ = [
+    "LaunchError",
+    "LocalReplica",
+    "ReplicaSpec",
+    "StartupProgress",
+    "count_launches",
+    "free_port",
+    "group_cpu_seconds",
+    "log_tail",
+]
 
 MIB = 1024 * 1024
 
@@ -119,8 +131,23 @@ class ReplicaSpec(BaseModel):
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     work_dir: Path | None = None
+    #: The start fails once it is older than ``startup_timeout_s`` *and* its process group has
+    #: made no progress (CPU time or log output, see :class:`StartupProgress`) for
+    #: ``startup_stall_s``, or in any case once it is older than ``startup_max_s``. A start that
+    #: is slow because the host is saturated keeps going; one that hangs is killed.
     startup_timeout_s: float = Field(default=240.0, gt=0)
+    startup_stall_s: float = Field(default=60.0, gt=0)
+    startup_max_s: float = Field(default=900.0, gt=0)
     stop_grace_s: float = Field(default=20.0, ge=0)
+
+    @model_validator(mode="after")
+    def _deadlines_ordered(self) -> ReplicaSpec:
+        if self.startup_max_s < self.startup_timeout_s:
+            raise ValueError(
+                f"startup_max_s ({self.startup_max_s:g}) is shorter than startup_timeout_s "
+                f"({self.startup_timeout_s:g})"
+            )
+        return self
 
     @field_validator("model")
     @classmethod
@@ -189,6 +216,64 @@ def _default_work_dir(name: str) -> Path:
     root = default_cache_root() / "replicas"
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+
+
+def group_cpu_seconds(pgid: int) -> float | None:
+    """CPU seconds used by the live processes of process group ``pgid`` (plus the children they
+    have reaped), from ``/proc``; ``None`` where ``/proc`` is not available (not Linux)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid:  # pgrp; then utime, stime, cutime, cstime at 11..14
+            total += sum(int(f) for f in fields[11:15])
+    return total / tick
+
+
+class StartupProgress:
+    """Whether a starting process group is still doing something.
+
+    :meth:`sample` marks progress when, since the last mark, the group used at least
+    ``min_cpu_s`` of CPU or the log grew. A start starved by a saturated host still uses CPU
+    (imports, then the engine's own start); a hung one (a lock, a peer that never answers) does
+    not. Without ``/proc`` only the log counts. Not thread-safe; cheap (one ``/proc`` scan).
+    """
+
+    def __init__(self, pgid: int, log_path: Path, now: float, min_cpu_s: float = 0.5) -> None:
+        self.pgid = pgid
+        self.log_path = log_path
+        self.min_cpu_s = min_cpu_s
+        self.last = now
+        self._cpu = group_cpu_seconds(pgid)
+        self._log = self._log_size()
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def sample(self, now: float) -> None:
+        cpu, size = group_cpu_seconds(self.pgid), self._log_size()
+        moved = size > self._log
+        if cpu is not None and self._cpu is not None:
+            moved = moved or cpu - self._cpu >= self.min_cpu_s
+            if cpu < self._cpu:  # a process exited with its time: re-base
+                self._cpu = cpu
+        if moved:
+            self.last, self._cpu, self._log = now, cpu, size
+
+    def stalled_for(self, now: float) -> float:
+        return now - self.last
 
 
 class LocalReplica:
@@ -265,26 +350,49 @@ class LocalReplica:
     async def start(self) -> float:
         """Spawn the server and wait until it serves a real completion; returns seconds taken.
 
-        Blocks up to ``spec.startup_timeout_s``. Raises :class:`LaunchError` (with exit code and
-        log tail) if the process exits, the deadline passes, or the probe completion fails; the
-        process group is killed before raising.
+        Blocks until ready or a deadline (see ``ReplicaSpec.startup_timeout_s``): past
+        ``startup_timeout_s`` only while the group still makes progress, never past
+        ``startup_max_s``. Raises :class:`LaunchError` (with exit code and log tail) if the
+        process exits, a deadline passes (then the group is first sent SIGABRT so the log ends
+        with its Python stacks), or the probe completion fails; the process group is killed
+        before raising.
         """
+        spec = self.spec
         t0 = time.monotonic()
         self.spawn()
-        deadline = t0 + self.spec.startup_timeout_s
+        assert self._proc is not None
+        # progress: 0.5 s of CPU (at most 5% of one core) used within the stall window
+        min_cpu_s = min(0.5, spec.startup_stall_s * 0.05)
+        progress = StartupProgress(self._proc.pid, self.log_path, t0, min_cpu_s)
+        deadline = t0 + spec.startup_max_s
+        next_sample = t0
         phase = "health"
         try:
             async with httpx.AsyncClient(base_url=self.url, timeout=10.0) as client:
                 while True:
                     if not self.alive:
                         await self._fail(f"server exited during startup ({phase} phase)")
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    now = time.monotonic()
+                    if now >= next_sample:
+                        progress.sample(now)
+                        next_sample = now + min(5.0, spec.startup_stall_s / 4)
+                    why = None
+                    if now >= deadline:
+                        why = f"not ready after {spec.startup_max_s:.0f}s (startup_max_s)"
+                    elif (
+                        now - t0 >= spec.startup_timeout_s
+                        and progress.stalled_for(now) >= spec.startup_stall_s
+                    ):
+                        why = (
+                            f"not ready after {now - t0:.0f}s and no progress (CPU or log "
+                            f"output) for {progress.stalled_for(now):.0f}s"
+                        )
+                    if why is not None:
                         await self._dump_stacks()
                         await self._fail(
-                            f"not ready after {self.spec.startup_timeout_s:.0f}s ({phase} phase); "
-                            "the log ends with each process's Python stacks"
+                            f"{why} ({phase} phase); the log ends with each process's Python stacks"
                         )
+                    remaining = deadline - now
                     try:
                         if phase == "health":
                             r = await client.get("/health", timeout=min(5.0, remaining))

@@ -1,8 +1,9 @@
-"""A start that misses its deadline leaves its Python stacks in the log and nothing running.
+"""The launcher's startup deadlines, against stand-in servers that misbehave on demand.
 
-Fault injection (a real vLLM server cannot be made to hang at startup on demand): a stand-in
-``vllm.entrypoints.launchers.api_server.entry`` module, first on ``PYTHONPATH``, that never
-listens. Everything else is the real launcher: its argv/env, its process group, its deadline.
+Fault injection (a real vLLM server cannot be made to hang, or to start slowly, on demand): a
+stand-in ``vllm.entrypoints.launchers.api_server.entry`` module, first on ``PYTHONPATH``.
+Everything else is the real launcher: its argv/env, its process group, its deadlines, its
+``/health`` + completion probe over HTTP.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pool.launcher import LaunchError, LocalReplica, ReplicaSpec
+from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, group_cpu_seconds
 
-STUCK = '''
+HUNG = """
 import time
 
 
@@ -24,39 +25,124 @@ def waiting_for_a_lock_that_never_comes():
 
 
 waiting_for_a_lock_that_never_comes()
-'''
+"""
+
+# Burns CPU for SPIN seconds (a start starved by a busy host: slow, but working), then serves
+# /health and a one-choice completion on --port. SPIN < 0: burn forever.
+SLOW = """
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+SPIN = {spin}
+end = time.monotonic() + SPIN
+while SPIN < 0 or time.monotonic() < end:
+    sum(range(10_000))
 
 
-def _stand_in(root: Path) -> Path:
+class Handler(BaseHTTPRequestHandler):
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer({{}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer({{"choices": [{{"text": "x"}}]}})
+
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+def _stand_in(root: Path, source: str) -> dict[str, str]:
     pkg = root / "vllm" / "entrypoints" / "launchers" / "api_server"
     pkg.mkdir(parents=True)
     for d in (pkg, *pkg.parents):
         if d == root:
             break
         (d / "__init__.py").write_text("")
-    (pkg / "entry.py").write_text(STUCK)
-    return root
+    (pkg / "entry.py").write_text(source)
+    return {"PYTHONPATH": str(root)}
 
 
-async def test_missed_deadline_dumps_stacks_then_kills_the_group(tmp_path: Path) -> None:
-    fake = _stand_in(tmp_path / "fake")
-    spec = ReplicaSpec(
+def _spec(tmp_path: Path, source: str, **deadlines: float) -> ReplicaSpec:
+    return ReplicaSpec(
         model=tmp_path / "model",
-        name="stuck",
+        name="stand-in",
         work_dir=tmp_path / "w",
+        env=_stand_in(tmp_path / "fake", source),
+        **deadlines,
+    )
+
+
+def _gone(replica: LocalReplica) -> bool:
+    assert replica.pid is not None
+    try:
+        os.killpg(replica.pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_a_hung_start_fails_after_the_stall_with_its_stacks_in_the_log(
+    tmp_path: Path,
+) -> None:
+    replica = LocalReplica(_spec(tmp_path, HUNG, startup_timeout_s=2.0, startup_stall_s=1.0))
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        await replica.start()
+    assert 2.0 <= time.monotonic() - t0 < 15
+    message = str(e.value)
+    assert "no progress (CPU or log output)" in message and "health phase" in message
+    tail = e.value.context["log_tail"]
+    assert "Fatal Python error: Aborted" in tail
+    assert "waiting_for_a_lock_that_never_comes" in tail  # where it was stuck
+    assert not replica.alive and _gone(replica)
+
+
+async def test_a_slow_start_that_works_is_not_killed_at_the_timeout(tmp_path: Path) -> None:
+    spec = _spec(
+        tmp_path,
+        SLOW.format(spin=6.0),
         startup_timeout_s=2.0,
-        env={"PYTHONPATH": str(fake)},
+        startup_stall_s=3.0,
+        startup_max_s=60.0,
+    )
+    replica = LocalReplica(spec)
+    try:
+        took = await replica.start()
+        assert took >= 6.0  # three times startup_timeout_s: kept alive by its CPU use
+        assert replica.alive
+    finally:
+        await replica.stop(grace_s=1.0)
+    assert _gone(replica)
+
+
+async def test_a_start_that_never_ends_fails_at_startup_max(tmp_path: Path) -> None:
+    spec = _spec(
+        tmp_path,
+        SLOW.format(spin=-1),
+        startup_timeout_s=1.0,
+        startup_stall_s=3.0,
+        startup_max_s=6.0,
     )
     replica = LocalReplica(spec)
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
         await replica.start()
-    assert time.monotonic() - t0 < 15
-    message = str(e.value)
-    assert "not ready after 2s (health phase)" in message and "Python stacks" in message
-    tail = e.value.context["log_tail"]
-    assert "Fatal Python error: Aborted" in tail
-    assert "waiting_for_a_lock_that_never_comes" in tail  # where it was stuck
-    assert not replica.alive
-    with pytest.raises(ProcessLookupError):
-        os.killpg(replica.pid, 0)  # type: ignore[arg-type]  # the whole group is gone
+    assert 6.0 <= time.monotonic() - t0 < 20
+    assert "not ready after 6s (startup_max_s)" in str(e.value)
+    assert _gone(replica)
+
+
+def test_deadlines_must_be_ordered_and_cpu_is_measured(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="startup_max_s"):
+        ReplicaSpec(model=tmp_path, startup_timeout_s=100, startup_max_s=50)
+    mine = group_cpu_seconds(os.getpgrp())
+    assert mine is not None and mine > 0  # this test process has used some CPU
