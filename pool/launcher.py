@@ -56,6 +56,8 @@ __all__ = [
     "free_port",
     "group_cpu_seconds",
     "log_tail",
+    "parse_cpus",
+    "widen_affinity",
 ]
 
 MIB = 1024 * 1024
@@ -218,25 +220,66 @@ def _default_work_dir(name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
 
 
-def group_cpu_seconds(pgid: int) -> float | None:
-    """CPU seconds used by the live processes of process group ``pgid`` (plus the children they
-    have reaped), from ``/proc``; ``None`` where ``/proc`` is not available (not Linux)."""
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
+def parse_cpus(spec: str | None) -> set[int] | None:
+    """``"1"``, ``"0-3"``, ``"0,2"`` → CPU ids; ``None`` for anything else (``"auto"``, vLLM's
+    per-rank ``"0-3|4-7"``, ``"nobind"``)."""
+    if not spec:
         return None
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        return None
+    return cpus or None
+
+
+def _group_stats(pgid: int) -> dict[int, list[str]]:
+    """``/proc/<pid>/stat`` fields after ``pid (comm)`` (state first) of each live process of
+    group ``pgid``; empty where ``/proc`` is unavailable."""
+    out: dict[int, list[str]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
             raw = (entry / "stat").read_text()
         except OSError:
             continue  # exited meanwhile
-        fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid:  # pgrp; then utime, stime, cutime, cstime at 11..14
-            total += sum(int(f) for f in fields[11:15])
-    return total / tick
+        fields = raw[raw.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # pgrp
+            out[int(entry.name)] = fields
+    return out
+
+
+def widen_affinity(pgid: int, cpus: set[int], skip_comm_prefix: str = "VLLM::Worker") -> int:
+    """Set every thread of group ``pgid`` to ``cpus``, except processes whose name starts with
+    ``skip_comm_prefix`` (vLLM binds its CPU worker's threads itself). Returns threads changed.
+    Linux only (a no-op elsewhere); threads that exit meanwhile are ignored."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0
+    changed = 0
+    for pid in _group_stats(pgid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith(skip_comm_prefix):
+                continue
+            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cpus)
+                changed += 1
+    return changed
+
+
+def group_cpu_seconds(pgid: int) -> float | None:
+    """CPU seconds used by the live processes of process group ``pgid`` (plus the children they
+    have reaped), from ``/proc``; ``None`` where ``/proc`` is not available (not Linux)."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    ticks = sum(  # utime, stime, cutime, cstime
+        sum(int(f) for f in fields[11:15]) for fields in _group_stats(pgid).values()
+    )
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class StartupProgress:
@@ -346,6 +389,15 @@ class LocalReplica:
                 cwd=self.work_dir,
                 start_new_session=True,
             )
+        # Start confined to the replica's own cores (its processes inherit the mask): torch's
+        # MKL counts cores at import by pinning the importing thread to each allowed CPU in
+        # turn, and a thread moved onto a CPU saturated by another replica's pinned worker was
+        # seen to wait there for minutes (stuck in sched_setaffinity, never scheduled). The
+        # mask is widened again once the server is ready (:func:`widen_affinity`).
+        cpus = self._startup_cpus()
+        if cpus is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(self._proc.pid, cpus)
 
     async def start(self) -> float:
         """Spawn the server and wait until it serves a real completion; returns seconds taken.
@@ -407,8 +459,19 @@ class LocalReplica:
         except BaseException:
             await self._cleanup_after_failure()
             raise
+        if self._startup_cpus() is not None:
+            widen_affinity(self._proc.pid, os.sched_getaffinity(0))
         self.startup_s = time.monotonic() - t0
         return self.startup_s
+
+    def _startup_cpus(self) -> set[int] | None:
+        """The CPU flavour's bind cores, if they are a plain list the launcher may use."""
+        if self.spec.flavor != "cpu" or not hasattr(os, "sched_setaffinity"):
+            return None
+        cpus = parse_cpus(self.spec.cpu_bind)
+        if cpus is None or not cpus <= os.sched_getaffinity(0):
+            return None
+        return cpus
 
     async def _dump_stacks(self, wait_s: float = 3.0) -> None:
         """SIGABRT the group: with ``PYTHONFAULTHANDLER`` set, each Python process writes all

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, group_cpu_seconds
+from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, group_cpu_seconds, parse_cpus
 
 HUNG = """
 import time
@@ -33,6 +33,9 @@ SLOW = """
 import json, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+import os
+
+print("startup affinity", sorted(os.sched_getaffinity(0)), flush=True)
 SPIN = {spin}
 end = time.monotonic() + SPIN
 while SPIN < 0 or time.monotonic() < end:
@@ -71,12 +74,13 @@ def _stand_in(root: Path, source: str) -> dict[str, str]:
     return {"PYTHONPATH": str(root)}
 
 
-def _spec(tmp_path: Path, source: str, **deadlines: float) -> ReplicaSpec:
+def _spec(tmp_path: Path, source: str, cpu_bind: str = "0", **deadlines: float) -> ReplicaSpec:
     return ReplicaSpec(
         model=tmp_path / "model",
         name="stand-in",
         work_dir=tmp_path / "w",
         env=_stand_in(tmp_path / "fake", source),
+        cpu_bind=cpu_bind,
         **deadlines,
     )
 
@@ -146,3 +150,24 @@ def test_deadlines_must_be_ordered_and_cpu_is_measured(tmp_path: Path) -> None:
         ReplicaSpec(model=tmp_path, startup_timeout_s=100, startup_max_s=50)
     mine = group_cpu_seconds(os.getpgrp())
     assert mine is not None and mine > 0  # this test process has used some CPU
+
+
+async def test_a_start_is_confined_to_its_bind_cores_until_ready(tmp_path: Path) -> None:
+    """The server imports (and MKL probes cores) inside its own cores; once ready, its threads
+    get the launcher's CPUs back."""
+    mine = os.sched_getaffinity(0)
+    assert len(mine) >= 2, "needs a machine with 2 CPUs (ours have 2)"
+    own = max(mine)
+    replica = LocalReplica(_spec(tmp_path, SLOW.format(spin=0.5), cpu_bind=str(own)))
+    try:
+        await replica.start()
+        assert replica.pid is not None
+        assert f"startup affinity [{own}]" in replica.log_tail()
+        assert os.sched_getaffinity(replica.pid) == mine
+    finally:
+        await replica.stop(grace_s=1.0)
+
+
+def test_parse_cpus() -> None:
+    assert parse_cpus("1") == {1} and parse_cpus("0-2,5") == {0, 1, 2, 5}
+    assert parse_cpus("auto") is None and parse_cpus("0-3|4-7") is None and parse_cpus(None) is None
