@@ -335,6 +335,7 @@ class LocalReplica:
         self._own_rpc_dir = False
         self._proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
+        self._confined_to: set[int] | None = None  # the start's CPU mask, until it is ready
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -394,10 +395,10 @@ class LocalReplica:
         # turn, and a thread moved onto a CPU saturated by another replica's pinned worker was
         # seen to wait there for minutes (stuck in sched_setaffinity, never scheduled). The
         # mask is widened again once the server is ready (:func:`widen_affinity`).
-        cpus = self._startup_cpus()
-        if cpus is not None:
+        self._confined_to = self._startup_cpus()
+        if self._confined_to is not None:
             with contextlib.suppress(OSError):
-                os.sched_setaffinity(self._proc.pid, cpus)
+                os.sched_setaffinity(self._proc.pid, self._confined_to)
 
     async def start(self) -> float:
         """Spawn the server and wait until it serves a real completion; returns seconds taken.
@@ -433,11 +434,11 @@ class LocalReplica:
                         why = f"not ready after {spec.startup_max_s:.0f}s (startup_max_s)"
                     elif (
                         now - t0 >= spec.startup_timeout_s
-                        and progress.stalled_for(now) >= spec.startup_stall_s
+                        and (stalled := progress.stalled_for(now)) >= spec.startup_stall_s
                     ):
                         why = (
                             f"not ready after {now - t0:.0f}s and no progress (CPU or log "
-                            f"output) for {progress.stalled_for(now):.0f}s"
+                            f"output) for {stalled:.0f}s"
                         )
                     if why is not None:
                         await self._dump_stacks()
@@ -459,7 +460,7 @@ class LocalReplica:
         except BaseException:
             await self._cleanup_after_failure()
             raise
-        if self._startup_cpus() is not None:
+        if self._confined_to is not None:
             widen_affinity(self._proc.pid, os.sched_getaffinity(0))
         self.startup_s = time.monotonic() - t0
         return self.startup_s

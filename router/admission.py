@@ -204,6 +204,13 @@ class PoolSnapshot:
         return None
 
 
+def _decrement(counts: Counter[str], key: str) -> None:
+    """One less for ``key``; the key goes once it reaches zero (counters stay small)."""
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
+
+
 class ReplicaView:
     """A cached read of the store's replicas and published generation, refreshed after ``ttl_s``,
     plus this router's own counts that the read cannot include yet.
@@ -267,18 +274,14 @@ class ReplicaView:
         self.own[replica_id] += 1
 
     def finished(self, replica_id: str) -> None:
-        self.own[replica_id] -= 1
-        if self.own[replica_id] <= 0:
-            del self.own[replica_id]
+        _decrement(self.own, replica_id)
 
     def reserve(self, replica_id: str) -> None:
         """Count a choice whose ADMIT is in flight (call before awaiting it)."""
         self._pending[replica_id] += 1
 
     def unreserve(self, replica_id: str) -> None:
-        self._pending[replica_id] -= 1
-        if self._pending[replica_id] <= 0:
-            del self._pending[replica_id]
+        _decrement(self._pending, replica_id)
 
     def session_admitted(self, replica_id: str) -> None:
         """Count a session binding until a read that began after its admission is cached."""
