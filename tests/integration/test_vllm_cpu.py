@@ -8,6 +8,7 @@ probe output comes back.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from pool.checkpoint import content_hash, read_manifest
 from pool.engine import VllmEngine
 from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
-from pool.launcher import LaunchError, LocalReplica, ReplicaSpec
+from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, _group_stats
 from pool.types import Manifest, WeightIdentity
 from tests.integration.conftest import TinyModels
 from updater.transports import ReloadTarget, ReloadTransport
@@ -83,6 +84,31 @@ async def test_engine_bootstrap_detects_032_capabilities(
     assert (await engine_a.world_size()).world_size == 1
     assert replica_a.startup_s is not None and replica_a.pid is not None
     print(f"\n[measure] server start to first completion: {replica_a.startup_s:.1f}s")
+
+
+def _thread_masks(pgid: int) -> dict[str, set[tuple[int, ...]]]:
+    """Process name → the CPU masks of its threads, for each process of group ``pgid``."""
+    masks: dict[str, set[tuple[int, ...]]] = {}
+    for pid in _group_stats(pgid):
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        masks[comm] = masks.get(comm, set()) | {
+            tuple(sorted(os.sched_getaffinity(int(t.name)))) for t in tasks
+        }
+    return masks
+
+
+async def test_ready_replica_has_its_cpus_back_but_its_worker_stays_bound(
+    replica_a: LocalReplica,
+) -> None:
+    """Started confined to ``cpu_bind`` ("0"); once ready, the API server and EngineCore threads
+    have the launcher's CPUs again, while vLLM keeps its CPU worker bound to core 0."""
+    assert replica_a.pid is not None
+    masks = _thread_masks(replica_a.pid)
+    mine = tuple(sorted(os.sched_getaffinity(0)))
+    assert masks.pop("VLLM::Worker") == {(0,)}, masks
+    assert masks.pop("VLLM::EngineCor") == {mine}, masks
+    assert masks and all(m == {mine} for m in masks.values()), masks  # the API server et al.
 
 
 async def test_pause_wait_queues_new_requests_until_resume(
