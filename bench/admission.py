@@ -27,8 +27,12 @@ async def run(url: str, pairs: int, concurrency: int) -> float:
     token = await store.updater_lease().acquire()
     await store.register_replica("r0", "http://r0", token, capacity=1_000_000)
     await store.transition(
-        "r0", token, ReplicaState.UNINITIALIZED, ReplicaState.READY,
-        generation=Generation(number=0, label="g0"), publish=True,
+        "r0",
+        token,
+        ReplicaState.UNINITIALIZED,
+        ReplicaState.READY,
+        generation=Generation(number=0, label="g0"),
+        publish=True,
     )
     per_task = pairs // concurrency
 

@@ -84,9 +84,17 @@ async def scenario(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             async def load(stop: asyncio.Event) -> int:
                 done = 0
                 while not stop.is_set():
-                    await asyncio.gather(*(eng.complete(
-                        [3 + i, 4, 5], max_tokens=a.max_tokens, temperature=1.0,
-                        timeout_s=120) for i in range(a.rollouts)))
+                    await asyncio.gather(
+                        *(
+                            eng.complete(
+                                [3 + i, 4, 5],
+                                max_tokens=a.max_tokens,
+                                temperature=1.0,
+                                timeout_s=120,
+                            )
+                            for i in range(a.rollouts)
+                        )
+                    )
                     done += a.rollouts
                 return done
 
@@ -96,18 +104,26 @@ async def scenario(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             health, metrics, shared = await asyncio.gather(
                 poll(rep.url, "/health", a.seconds, a.interval),
                 poll(rep.url, "/metrics", a.seconds, a.interval),
-                poll_engine(eng, a.seconds, a.interval))
+                poll_engine(eng, a.seconds, a.interval),
+            )
             stop.set()
             done = await loader if loader is not None else 0
-            result[label] = {"health": summary(health), "metrics": summary(metrics),
-                             "metrics_via_load_client": summary(shared),
-                             "rollouts_completed": done}
+            result[label] = {
+                "health": summary(health),
+                "metrics": summary(metrics),
+                "metrics_via_load_client": summary(shared),
+                "rollouts_completed": done,
+            }
             print(label, result[label], flush=True)
     finally:
         await eng.aclose()
         await rep.stop()
-    result["params"] = {"rollouts": a.rollouts, "max_tokens": a.max_tokens,
-                        "seconds": a.seconds, "interval_s": a.interval}
+    result["params"] = {
+        "rollouts": a.rollouts,
+        "max_tokens": a.max_tokens,
+        "seconds": a.seconds,
+        "interval_s": a.interval,
+    }
     return result
 
 

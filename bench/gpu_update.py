@@ -112,9 +112,15 @@ class StallingCheckpointSource(CheckpointSource):
             yield item
 
     def spec(self) -> SourceSpec | None:
-        return SourceSpec(f"{__name__}:StallingCheckpointSource",
-                          (("path", str(self.path)), ("device", self.device),
-                           ("stall_after", self.stall_after), ("flag", self.flag)))
+        return SourceSpec(
+            f"{__name__}:StallingCheckpointSource",
+            (
+                ("path", str(self.path)),
+                ("device", self.device),
+                ("stall_after", self.stall_after),
+                ("flag", self.flag),
+            ),
+        )
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -136,15 +142,17 @@ class Trainer:
         self.cfg = AutoConfig.from_pretrained(model_dir)
         with torch.device(device):
             self.model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                self.cfg, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+                self.cfg, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+            )
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.generation: int | None = None
         self.vocab_limit = min(30000, int(self.cfg.vocab_size))
         rng = random.Random(7)
-        self.ref_seqs = [[rng.randrange(100, self.vocab_limit) for _ in range(64)]
-                         for _ in range(2)]
+        self.ref_seqs = [
+            [rng.randrange(100, self.vocab_limit) for _ in range(64)] for _ in range(2)
+        ]
         self._refs: dict[int, list[list[float]]] = {}
 
     def nbytes(self) -> int:
@@ -177,11 +185,11 @@ class Trainer:
         out: list[list[float]] = []
         with torch.no_grad():
             for i in range(0, len(seqs), 16):
-                ids = torch.tensor(seqs[i:i + 16], device=self.device)
+                ids = torch.tensor(seqs[i : i + 16], device=self.device)
                 logits = self.model(input_ids=ids).logits.float()
                 lp = torch.log_softmax(logits, dim=-1)
                 tgt = ids[:, 1:]
-                got = lp[:, :-1].gather(2, tgt[..., None])[..., 0][:, start - 1:]
+                got = lp[:, :-1].gather(2, tgt[..., None])[..., 0][:, start - 1 :]
                 out += got.tolist()
         return out
 
@@ -197,15 +205,28 @@ def diff_stats(a: list[float], b: list[float]) -> dict[str, float]:
     d = [abs(x - y) for x, y in zip(a, b, strict=True)]
     bad = [x for x in d if math.isnan(x)]
     d = [x for x in d if not math.isnan(x)]
-    return {"mean": sum(d) / len(d) if d else math.inf, "max": max(d) if d else math.inf,
-            "nan": len(bad)}
+    return {
+        "mean": sum(d) / len(d) if d else math.inf,
+        "max": max(d) if d else math.inf,
+        "nan": len(bad),
+    }
 
 
-async def vllm_prompt_logprobs(client: httpx.AsyncClient, url: str, ids: list[int],
-                               salt: str) -> list[float]:
-    r = await client.post(f"{url}/v1/completions", json={
-        "model": SERVED, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-        "prompt_logprobs": 0, "cache_salt": salt}, timeout=60.0)
+async def vllm_prompt_logprobs(
+    client: httpx.AsyncClient, url: str, ids: list[int], salt: str
+) -> list[float]:
+    r = await client.post(
+        f"{url}/v1/completions",
+        json={
+            "model": SERVED,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "cache_salt": salt,
+        },
+        timeout=60.0,
+    )
     r.raise_for_status()
     pl = r.json()["choices"][0]["prompt_logprobs"]
     out = []
@@ -224,8 +245,12 @@ async def tf_check(trainer: Trainer, url: str, salt: str) -> dict[str, Any]:
     mean = max(s["mean"] for s in stats)
     mx = max(s["max"] for s in stats)
     ok = all(s["nan"] == 0 for s in stats) and mean <= TF_MEAN_TOL and mx <= TF_MAX_TOL
-    return {"ok": ok, "generation": trainer.generation, "mean_abs": round(mean, 4),
-            "max_abs": round(mx, 4)}
+    return {
+        "ok": ok,
+        "generation": trainer.generation,
+        "mean_abs": round(mean, 4),
+        "max_abs": round(mx, 4),
+    }
 
 
 def make_runner(store: Any, lease: Any, transport: Any, trainer: Trainer, deadlines: Any) -> Any:
@@ -240,8 +265,9 @@ def make_runner(store: Any, lease: Any, transport: Any, trainer: Trainer, deadli
         res["replica"] = h.replica_id
         checks.append(res)
         ok = res["ok"] and trainer.generation == gen.number
-        return ValidationEvidence(gen, LabelEvidence(False, None), (1,), (1,) if ok else (0,),
-                                  detail=json.dumps(res))
+        return ValidationEvidence(
+            gen, LabelEvidence(False, None), (1,), (1,) if ok else (0,), detail=json.dumps(res)
+        )
 
     runner = CycleRunner(store, lease, transport, deadlines=deadlines, validator=teacher_forced)
     runner.checks = checks  # type: ignore[attr-defined]
@@ -274,8 +300,11 @@ class Env:
 
 def identity(env: Env, g: int, uri: str | None = None) -> WeightIdentity:
     assert env.manifest is not None
-    return WeightIdentity(manifest_digest=env.manifest.digest,
-                          checkpoint_uri=uri or f"trainer://gpu-bench/g{g}", step=g)
+    return WeightIdentity(
+        manifest_digest=env.manifest.digest,
+        checkpoint_uri=uri or f"trainer://gpu-bench/g{g}",
+        step=g,
+    )
 
 
 def gen(g: int) -> Generation:
@@ -286,8 +315,9 @@ def target(env: Env, g: int, path: Path | None = None) -> Any:
     from updater.cycle import Probe, UpdateTarget
 
     p = path or Path(f"/in-process/g{g}")
-    return UpdateTarget(gen(g), identity(env, g, str(path) if path else None), p,
-                        Probe((1, 2, 3), (1,)))
+    return UpdateTarget(
+        gen(g), identity(env, g, str(path) if path else None), p, Probe((1, 2, 3), (1,))
+    )
 
 
 def replica_spec(env: Env, rid: str) -> Any:
@@ -297,15 +327,28 @@ def replica_spec(env: Env, rid: str) -> Any:
     cache = env.work / "compile-cache"
     extra = ["--load-format", "dummy", "--gpu-memory-utilization", str(a.gpu_util), "--seed", "0"]
     return ReplicaSpec(
-        model=Path(a.model), flavor="gpu", port=free_port(), name=f"gpu-{rid}",
-        served_model_name=SERVED, cuda_visible_devices=a.replica_gpu, kv_cache_bytes=None,
-        enforce_eager=a.enforce_eager, dtype="bfloat16", max_model_len=a.max_model_len,
-        weight_transfer_backend="nccl", extra_args=tuple(extra),
-        env={"VLLM_CACHE_ROOT": str(cache / "vllm"),
-             "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-             "TRITON_CACHE_DIR": str(cache / "triton"),
-             "NCCL_NVLS_ENABLE": "0"},
-        work_dir=env.work / rid, startup_timeout_s=480, stop_grace_s=10)
+        model=Path(a.model),
+        flavor="gpu",
+        port=free_port(),
+        name=f"gpu-{rid}",
+        served_model_name=SERVED,
+        cuda_visible_devices=a.replica_gpu,
+        kv_cache_bytes=None,
+        enforce_eager=a.enforce_eager,
+        dtype="bfloat16",
+        max_model_len=a.max_model_len,
+        weight_transfer_backend="nccl",
+        extra_args=tuple(extra),
+        env={
+            "VLLM_CACHE_ROOT": str(cache / "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "TRITON_CACHE_DIR": str(cache / "triton"),
+            "NCCL_NVLS_ENABLE": "0",
+        },
+        work_dir=env.work / rid,
+        startup_timeout_s=480,
+        stop_grace_s=10,
+    )
 
 
 async def start_replica(env: Env, rid: str) -> float:
@@ -321,8 +364,10 @@ async def start_replica(env: Env, rid: str) -> float:
     assert env.manifest is not None
     env.handles[rid] = ReplicaHandle(rid, engine, env.manifest)
     await env.store.register_replica(rid, rep.url, env.lease.require())
-    print(f"[{rid}] serving at {rep.url} after {took:.1f}s (vLLM {engine.capabilities.version})",
-          flush=True)
+    print(
+        f"[{rid}] serving at {rep.url} after {took:.1f}s (vLLM {engine.capabilities.version})",
+        flush=True,
+    )
     return took
 
 
@@ -345,8 +390,9 @@ async def start_pool(env: Env) -> None:
     from pool.store import RedisStore
 
     env.redis = RedisServer(env.work / "redis").start()
-    env.store = RedisStore.connect(StoreSettings(url=env.redis.url,
-                                                 namespace=f"gpu{int(time.time())}"))
+    env.store = RedisStore.connect(
+        StoreSettings(url=env.redis.url, namespace=f"gpu{int(time.time())}")
+    )
     env.lease = env.store.updater_lease("gpu-bench")
     await env.lease.acquire()
     env.keep = asyncio.create_task(env.lease.keep_alive())
@@ -359,8 +405,11 @@ async def build_trainer(env: Env) -> None:
     env.result["bytes"] = env.trainer.nbytes()
     env.result["tensors"] = len(env.manifest.tensors)
     env.result.setdefault("timings", {})["trainer_build_s"] = round(now() - t0, 2)
-    print(f"trainer: {len(env.manifest.tensors)} tensors, {env.trainer.nbytes() / 1e9:.2f} GB "
-          f"in {now() - t0:.1f}s", flush=True)
+    print(
+        f"trainer: {len(env.manifest.tensors)} tensors, {env.trainer.nbytes() / 1e9:.2f} GB "
+        f"in {now() - t0:.1f}s",
+        flush=True,
+    )
 
 
 async def start_replicas_with_trainer(env: Env, rids: list[str]) -> dict[str, float]:
@@ -415,8 +464,11 @@ def nccl_config(env: Env, **kw: Any) -> Any:
 
     a = env.args
     kw.setdefault("master_port", a.nccl_port)
-    return NcclConfig(master_address="127.0.0.1", packing=Packing(
-        packed=True, buffer_bytes=a.buffer_mb * MIB, num_buffers=a.num_buffers), **kw)
+    return NcclConfig(
+        master_address="127.0.0.1",
+        packing=Packing(packed=True, buffer_bytes=a.buffer_mb * MIB, num_buffers=a.num_buffers),
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------------------ phase raw
@@ -431,9 +483,15 @@ def phase_raw(env: Env) -> None:
     procs = []
     for rank, gpu in ((0, "0"), (1, env.args.replica_gpu)):
         e = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, NCCL_NVLS_ENABLE="0")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(rank), port], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(rank), port],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:
@@ -441,8 +499,10 @@ def phase_raw(env: Env) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             outs.append(p.communicate()[0])
-    sizes = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r"BW broadcast (\d+) MiB: [\d.]+ ms\s+([\d.]+) GB/s", outs[0])}
+    sizes = {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(r"BW broadcast (\d+) MiB: [\d.]+ ms\s+([\d.]+) GB/s", outs[0])
+    }
     env.result["raw_nccl"] = {"by_MiB": sizes, "log_tail": outs[0][-600:] if not sizes else ""}
     if sizes:
         env.result["raw_nccl_GBps"] = max(sizes.values())
@@ -477,12 +537,20 @@ def chunk_summary(chunks: list[dict[str, float]], raw_gbps: float | None) -> dic
     nbytes = sum(c["bytes"] for c in chunks)
     gaps = [max(0.0, b["start_ms"] - a["end_ms"]) for a, b in itertools.pairwise(chunks)]
     out: dict[str, Any] = {
-        "chunks": len(chunks), "bytes": nbytes, "span_ms": round(span, 2),
+        "chunks": len(chunks),
+        "bytes": nbytes,
+        "span_ms": round(span, 2),
         "kernel_ms_sum": round(sum(c["kernel_ms"] for c in chunks), 2),
         "gap_ms_sum": round(sum(gaps), 2),
         "span_GBps": round(nbytes / span / 1e6, 1) if span else None,
-        "per_chunk": [{"MiB": round(c["bytes"] / MIB, 1), "kernel_ms": round(c["kernel_ms"], 2),
-                       "start_ms": round(c["start_ms"], 2)} for c in chunks],
+        "per_chunk": [
+            {
+                "MiB": round(c["bytes"] / MIB, 1),
+                "kernel_ms": round(c["kernel_ms"], 2),
+                "start_ms": round(c["start_ms"], 2),
+            }
+            for c in chunks
+        ],
     }
     if raw_gbps:
         out["wire_ms_at_raw"] = round(nbytes / raw_gbps / 1e6, 2)
@@ -508,10 +576,15 @@ async def phase_a(env: Env) -> None:
     trainer.set_generation(0)
     pre = await tf_check(trainer, url, "g0")  # dummy weights vs g0: must NOT match
     t0 = now()
-    rep = await runner.bootstrap(h, gen(0), identity(env, 0), target(env, 0).probe,
-                                 checkpoint=Path("/in-process/g0"))
-    res["bootstrap"] = {"report": rep.to_dict(), "wall_s": round(now() - t0, 3),
-                        "transfer": transport.last.get(url), "dummy_vs_g0": pre}
+    rep = await runner.bootstrap(
+        h, gen(0), identity(env, 0), target(env, 0).probe, checkpoint=Path("/in-process/g0")
+    )
+    res["bootstrap"] = {
+        "report": rep.to_dict(),
+        "wall_s": round(now() - t0, 3),
+        "transfer": transport.last.get(url),
+        "dummy_vs_g0": pre,
+    }
     print(f"bootstrap g0: {rep.to_dict()} init+transfer {transport.last.get(url)}", flush=True)
     env.save()
 
@@ -523,20 +596,38 @@ async def phase_a(env: Env) -> None:
     last = dict(transport.last[url])
     chunks = last.pop("chunks", [])
     raw = res.get("raw_nccl_GBps")
-    res["cycle"] = {"report": rep.to_dict(), "wall_s": round(now() - t0, 3), "transfer": last,
-                    "chunks": chunk_summary(chunks, raw), "g0_replica_vs_g1": before,
-                    "check": runner.checks[-1]}
+    res["cycle"] = {
+        "report": rep.to_dict(),
+        "wall_s": round(now() - t0, 3),
+        "transfer": last,
+        "chunks": chunk_summary(chunks, raw),
+        "g0_replica_vs_g1": before,
+        "check": runner.checks[-1],
+    }
     res["transfer_s"] = round(last["transfer_s"], 4)
     res["transfer_GBps"] = round(last["GBps"], 1)
     res["window_s"] = rep.window_s
-    print(f"cycle g1: window {rep.window_s:.3f}s transfer {last['transfer_s']:.3f}s "
-          f"({last['GBps']:.1f} GB/s) phases {rep.phases}", flush=True)
+    print(
+        f"cycle g1: window {rep.window_s:.3f}s transfer {last['transfer_s']:.3f}s "
+        f"({last['GBps']:.1f} GB/s) phases {rep.phases}",
+        flush=True,
+    )
     env.save()
 
     # packing sweep: same weights (g1) re-sent; each transfer validated
     sweep: list[dict[str, Any]] = []
-    configs = [(1024, 2), (1024, 2), (1024, 2), (512, 4), (256, 8), (2048, 2), (2048, 4),
-               (4096, 2), (128, 16), (0, 0)]
+    configs = [
+        (1024, 2),
+        (1024, 2),
+        (1024, 2),
+        (512, 4),
+        (256, 8),
+        (2048, 2),
+        (2048, 4),
+        (4096, 2),
+        (128, 16),
+        (0, 0),
+    ]
     for mb, nb in configs:
         packing = Packing(packed=mb > 0, buffer_bytes=max(mb, 1) * MIB, num_buffers=max(nb, 1))
         transport.packing = packing
@@ -548,29 +639,41 @@ async def phase_a(env: Env) -> None:
             await h.engine.resume()
             chk = await tf_check(trainer, url, f"sweep{len(sweep)}")
             last = dict(transport.last[url])
-            row.update({"transfer_s": round(ev.elapsed_s, 4),
-                        "GBps": round(ev.bytes / ev.elapsed_s / 1e9, 1),
-                        "send_s": round(last.get("send_s", 0), 4),
-                        "update_http_s": round(last.get("update_http_s", 0), 4),
-                        "start_s": round(last.get("start_s", 0), 4),
-                        "finish_s": round(last.get("finish_s", 0), 4),
-                        "chunks": {k: v for k, v in chunk_summary(last.get("chunks", []), raw)
-                                   .items() if k != "per_chunk"},
-                        "valid": chk["ok"], "check": chk})
+            row.update(
+                {
+                    "transfer_s": round(ev.elapsed_s, 4),
+                    "GBps": round(ev.bytes / ev.elapsed_s / 1e9, 1),
+                    "send_s": round(last.get("send_s", 0), 4),
+                    "update_http_s": round(last.get("update_http_s", 0), 4),
+                    "start_s": round(last.get("start_s", 0), 4),
+                    "finish_s": round(last.get("finish_s", 0), 4),
+                    "chunks": {
+                        k: v
+                        for k, v in chunk_summary(last.get("chunks", []), raw).items()
+                        if k != "per_chunk"
+                    },
+                    "valid": chk["ok"],
+                    "check": chk,
+                }
+            )
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             with contextlib.suppress(Exception):
                 await h.engine.resume()
         sweep.append(row)
-        print(f"sweep {mb}MiB x{nb}: {row.get('GBps')} GB/s valid={row.get('valid')} "
-              f"{row.get('error', '')}", flush=True)
+        print(
+            f"sweep {mb}MiB x{nb}: {row.get('GBps')} GB/s valid={row.get('valid')} "
+            f"{row.get('error', '')}",
+            flush=True,
+        )
         if "error" in row:
             break
     transport.packing = nccl_config(env).packing
     res["sweep"] = sweep
     with contextlib.suppress(Exception):
-        res["trainer_pack_only_s"] = round(await asyncio.to_thread(
-            pack_only_seconds, trainer, a.buffer_mb * MIB), 4)
+        res["trainer_pack_only_s"] = round(
+            await asyncio.to_thread(pack_only_seconds, trainer, a.buffer_mb * MIB), 4
+        )
     env.save()
 
 
@@ -600,14 +703,17 @@ async def phase_b(env: Env) -> None:
     restart_wall = now() - t0
     transport.forget(h.engine.url)
     t1 = now()
-    report = await runner.bootstrap(h, gen(g), identity(env, g), target(env, g).probe,
-                                    checkpoint=Path(f"/in-process/g{g}"))
-    res["restart"] = {"stop_s": round(stop_s, 2), "start_to_serving_s": round(start_s, 2),
-                      "wall_s": round(restart_wall, 2),
-                      "bootstrap_after_restart_s": round(now() - t1, 3),
-                      "bootstrap": report.to_dict(), "transfer": {
-                          k: v for k, v in transport.last[h.engine.url].items()
-                          if k != "chunks"}}
+    report = await runner.bootstrap(
+        h, gen(g), identity(env, g), target(env, g).probe, checkpoint=Path(f"/in-process/g{g}")
+    )
+    res["restart"] = {
+        "stop_s": round(stop_s, 2),
+        "start_to_serving_s": round(start_s, 2),
+        "wall_s": round(restart_wall, 2),
+        "bootstrap_after_restart_s": round(now() - t1, 3),
+        "bootstrap": report.to_dict(),
+        "transfer": {k: v for k, v in transport.last[h.engine.url].items() if k != "chunks"},
+    }
     res["restart_s"] = round(start_s, 2)
     if res.get("window_s"):
         res["restart_over_hot"] = round(start_s / res["window_s"], 1)
@@ -639,14 +745,15 @@ class Load:
     async def _worker(self, wid: int) -> None:
         env = self.env
         rng = random.Random(wid * 7919 + len(self.records))
-        async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0),
-                                     timeout=180.0) as client:
+        async with httpx.AsyncClient(
+            limits=httpx.Limits(max_keepalive_connections=0), timeout=180.0
+        ) as client:
             i = 0
             while not self.stop.is_set():
                 i += 1
                 rid = f"w{wid}-{i}-{rng.randrange(1 << 30)}"
                 adm = None
-                order = self.rids[i % len(self.rids):] + self.rids[:i % len(self.rids)]
+                order = self.rids[i % len(self.rids) :] + self.rids[: i % len(self.rids)]
                 for cand in order:
                     try:
                         adm = await env.store.admit(rid, cand, max_staleness=1)
@@ -665,30 +772,49 @@ class Load:
                 url = env.replicas[adm.replica_id].url
                 t0 = time.time()
                 try:
-                    r = await client.post(f"{url}/v1/completions", json={
-                        "model": SERVED, "prompt": prompt, "max_tokens": GEN_LEN,
-                        "temperature": 1.0, "logprobs": 1, "ignore_eos": True,
-                        "return_tokens_as_token_ids": True, "cache_salt": adm.label,
-                        "seed": rng.randrange(1 << 30)})
+                    r = await client.post(
+                        f"{url}/v1/completions",
+                        json={
+                            "model": SERVED,
+                            "prompt": prompt,
+                            "max_tokens": GEN_LEN,
+                            "temperature": 1.0,
+                            "logprobs": 1,
+                            "ignore_eos": True,
+                            "return_tokens_as_token_ids": True,
+                            "cache_salt": adm.label,
+                            "seed": rng.randrange(1 << 30),
+                        },
+                    )
                     r.raise_for_status()
                     ch = r.json()["choices"][0]
                     lp = ch["logprobs"]
                     toks = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
                     lps = [float(x) for x in lp["token_logprobs"]]
                     await env.store.release(rid, adm.replica_id, completion_tokens=len(toks))
-                    self.records.append({
-                        "rollout": rid, "replica": adm.replica_id, "generation": adm.generation,
-                        "prompt": prompt, "tokens": toks, "logprobs": lps, "t0": t0,
-                        "t1": time.time()})
+                    self.records.append(
+                        {
+                            "rollout": rid,
+                            "replica": adm.replica_id,
+                            "generation": adm.generation,
+                            "prompt": prompt,
+                            "tokens": toks,
+                            "logprobs": lps,
+                            "t0": t0,
+                            "t1": time.time(),
+                        }
+                    )
                 except Exception as e:
                     self.errors.append(f"{rid}@{adm.replica_id}: {type(e).__name__}: {e}")
                     with contextlib.suppress(Exception):
-                        await env.store.release(rid, adm.replica_id, BindingState.ABORTED,
-                                                reason="error")
+                        await env.store.release(
+                            rid, adm.replica_id, BindingState.ABORTED, reason="error"
+                        )
 
 
-async def verify_rollouts(env: Env, records: list[dict[str, Any]],
-                          generations: list[int]) -> dict[str, Any]:
+async def verify_rollouts(
+    env: Env, records: list[dict[str, Any]], generations: list[int]
+) -> dict[str, Any]:
     """Teacher-force every rollout under every generation; each must match its bound one."""
     trainer = env.trainer
     assert trainer is not None
@@ -698,8 +824,7 @@ async def verify_rollouts(env: Env, records: list[dict[str, Any]],
     for g in generations:
         await asyncio.to_thread(trainer.set_generation, g)
         tf = await asyncio.to_thread(trainer.teacher_forced, seqs, PROMPT_LEN)
-        means[g] = [diff_stats(t, r["logprobs"])["mean"] for t, r in zip(tf, records,
-                                                                         strict=True)]
+        means[g] = [diff_stats(t, r["logprobs"])["mean"] for t, r in zip(tf, records, strict=True)]
     if keep is not None:
         await asyncio.to_thread(trainer.set_generation, keep)
     cross, worst = 0, 0.0
@@ -718,12 +843,22 @@ async def verify_rollouts(env: Env, records: list[dict[str, Any]],
         if best != g or own > ROLLOUT_MEAN_TOL:
             cross += 1
             if len(bad) < 5:
-                bad.append({"rollout": r["rollout"], "bound": g, "best": best,
-                            "means": {x: round(means[x][i], 3) for x in generations}})
-    return {"rollouts": len(records), "by_generation": by_gen, "cross_generation": cross,
-            "worst_own_mean_abs": round(worst, 4),
-            "closest_other_generation_mean_abs": round(other_min, 4),
-            "examples_bad": bad}
+                bad.append(
+                    {
+                        "rollout": r["rollout"],
+                        "bound": g,
+                        "best": best,
+                        "means": {x: round(means[x][i], 3) for x in generations},
+                    }
+                )
+    return {
+        "rollouts": len(records),
+        "by_generation": by_gen,
+        "cross_generation": cross,
+        "worst_own_mean_abs": round(worst, 4),
+        "closest_other_generation_mean_abs": round(other_min, 4),
+        "examples_bad": bad,
+    }
 
 
 # ------------------------------------------------------------------------------ phase c + d
@@ -745,11 +880,17 @@ async def phase_c(env: Env) -> None:
     trainer.set_generation(0)
     boots = {}
     for rid in rids:
-        rep = await runner.bootstrap(env.handles[rid], gen(0), identity(env, 0),
-                                     target(env, 0).probe, checkpoint=Path("/in-process/g0"))
-        boots[rid] = {"report": rep.to_dict(),
-                      "transfer_GBps": round(transport.last[env.handles[rid].engine.url]
-                                             .get("GBps", 0), 1)}
+        rep = await runner.bootstrap(
+            env.handles[rid],
+            gen(0),
+            identity(env, 0),
+            target(env, 0).probe,
+            checkpoint=Path("/in-process/g0"),
+        )
+        boots[rid] = {
+            "report": rep.to_dict(),
+            "transfer_GBps": round(transport.last[env.handles[rid].engine.url].get("GBps", 0), 1),
+        }
     res["rolling_bootstrap"] = boots
     env.save()
 
@@ -766,13 +907,26 @@ async def phase_c(env: Env) -> None:
             t0 = now()
             try:
                 rep = await runner.run(env.handles[rid], target(env, g))
-                updates.append({"replica": rid, "generation": g, "outcome": rep.outcome,
-                                "window_s": rep.window_s, "phases": rep.to_dict()["phases"],
-                                "GBps": round(transport.last[env.handles[rid].engine.url]
-                                              ["GBps"], 1), "wall_s": round(now() - t0, 3)})
+                updates.append(
+                    {
+                        "replica": rid,
+                        "generation": g,
+                        "outcome": rep.outcome,
+                        "window_s": rep.window_s,
+                        "phases": rep.to_dict()["phases"],
+                        "GBps": round(transport.last[env.handles[rid].engine.url]["GBps"], 1),
+                        "wall_s": round(now() - t0, 3),
+                    }
+                )
             except CycleError as e:
-                updates.append({"replica": rid, "generation": g, "outcome": e.report.outcome,
-                                "reason": e.report.reason})
+                updates.append(
+                    {
+                        "replica": rid,
+                        "generation": g,
+                        "outcome": e.report.outcome,
+                        "reason": e.report.reason,
+                    }
+                )
             print(f"rolling: {updates[-1]}", flush=True)
             await asyncio.sleep(a.settle_s)
     res["rolling_updates"] = updates
@@ -782,15 +936,22 @@ async def phase_c(env: Env) -> None:
         await finish_rolling(env, load, list(range(g + 1)), updates)
 
 
-async def finish_rolling(env: Env, load: Load, generations: list[int],
-                         updates: list[dict[str, Any]]) -> None:
+async def finish_rolling(
+    env: Env, load: Load, generations: list[int], updates: list[dict[str, Any]]
+) -> None:
     res = env.result
     ver = await verify_rollouts(env, load.records, generations)
-    res["rolling"] = {"replicas": 2, "updates": sum(u["outcome"] == "ready" for u in updates),
-                      "rollouts": ver["rollouts"], "cross_generation": ver["cross_generation"],
-                      "verification": ver, "admission_refused": load.refused,
-                      "errors": len(load.errors), "error_examples": load.errors[:5],
-                      "workers": env.args.workers}
+    res["rolling"] = {
+        "replicas": 2,
+        "updates": sum(u["outcome"] == "ready" for u in updates),
+        "rollouts": ver["rollouts"],
+        "cross_generation": ver["cross_generation"],
+        "verification": ver,
+        "admission_refused": load.refused,
+        "errors": len(load.errors),
+        "error_examples": load.errors[:5],
+        "workers": env.args.workers,
+    }
     print(f"rolling: {res['rolling']}", flush=True)
     env.save()
 
@@ -832,8 +993,9 @@ async def phase_d(env: Env) -> None:
     stall = StallingCheckpointSource(str(path), "cuda:0", n_tensors // 2, str(flag))
     bad = NcclTransport(nccl_config(env, master_port=a.nccl_port + 20), stall, sender="process")
     deadline = a.stuck_deadline_s
-    bad_runner = make_runner(env.store, env.lease, bad, trainer,
-                             Deadlines(transfer_s=deadline, preflight_s=300))
+    bad_runner = make_runner(
+        env.store, env.lease, bad, trainer, Deadlines(transfer_s=deadline, preflight_s=300)
+    )
     served_before = sum(1 for r in load.records if r["replica"] == "r0")
     t_start = now()
     task = asyncio.create_task(bad_runner.run(h1, target(env, g, path)))
@@ -841,8 +1003,9 @@ async def phase_d(env: Env) -> None:
         await asyncio.sleep(0.02)
     if task.done():
         stuck["error"] = f"cycle ended before the stall: {task.exception()!r}"
-        stuck["transfer"] = {k: v for k, v in bad.last.get(h1.engine.url, {}).items()
-                             if k != "chunks"}
+        stuck["transfer"] = {
+            k: v for k, v in bad.last.get(h1.engine.url, {}).items() if k != "chunks"
+        }
         env.save()
         await load.finish()
         bad.close()
@@ -859,13 +1022,19 @@ async def phase_d(env: Env) -> None:
         outcome = e.report.to_dict()
     t_tainted = now()
     rec = await env.store.replica("r1")
-    stuck.update({
-        "deadline_s": deadline, "killed_pid": pid, "transfer_started_to_kill_s":
-        round(t_kill - t_start, 2), "tainted_after_s": round(t_tainted - t_kill, 3),
-        "tainted_after_transfer_start_s": round(t_tainted - t_start, 2),
-        "store_state": rec.state.value, "reason": rec.reason, "cycle": outcome,
-        "transfer": {k: v for k, v in bad.last.get(h1.engine.url, {}).items()
-                     if k != "chunks"}})
+    stuck.update(
+        {
+            "deadline_s": deadline,
+            "killed_pid": pid,
+            "transfer_started_to_kill_s": round(t_kill - t_start, 2),
+            "tainted_after_s": round(t_tainted - t_kill, 3),
+            "tainted_after_transfer_start_s": round(t_tainted - t_start, 2),
+            "store_state": rec.state.value,
+            "reason": rec.reason,
+            "cycle": outcome,
+            "transfer": {k: v for k, v in bad.last.get(h1.engine.url, {}).items() if k != "chunks"},
+        }
+    )
     # r1's engine loop is blocked inside the NCCL receive: /health answers, utility calls hang
     async with httpx.AsyncClient() as c:
         try:
@@ -888,22 +1057,29 @@ async def phase_d(env: Env) -> None:
     except CycleError as e:
         stuck["r0_update"] = {"outcome": e.report.outcome, "reason": e.report.reason}
     service = NcclTransport(nccl_config(env, master_port=a.nccl_port + 30), sender="process")
-    svc_runner = make_runner(env.store, env.lease, service, trainer,
-                             Deadlines(transfer_s=120, preflight_s=300))
+    svc_runner = make_runner(
+        env.store, env.lease, service, trainer, Deadlines(transfer_s=120, preflight_s=300)
+    )
     t0 = now()
     await svc_runner.start_recovery(h1, "stuck collective: restart")
     restart_s = await env.replicas["r1"].restart()
-    served_during = sum(1 for r in load.records if r["replica"] == "r0" and r["t1"] > 0) \
-        - served_before
+    served_during = (
+        sum(1 for r in load.records if r["replica"] == "r0" and r["t1"] > 0) - served_before
+    )
     try:
-        report = await svc_runner.bootstrap(h1, gen(g), identity(env, g, str(path)),
-                                            target(env, g).probe, checkpoint=path)
-        stuck["recovery"] = {"outcome": report.outcome, "phases": report.to_dict()["phases"],
-                             "restart_s": round(restart_s, 1),
-                             "total_s": round(now() - t0, 1),
-                             "service_transfer": {k: v for k, v in service.last.get(
-                                 h1.engine.url, {}).items() if k != "chunks"},
-                             "check": svc_runner.checks[-1] if svc_runner.checks else None}
+        report = await svc_runner.bootstrap(
+            h1, gen(g), identity(env, g, str(path)), target(env, g).probe, checkpoint=path
+        )
+        stuck["recovery"] = {
+            "outcome": report.outcome,
+            "phases": report.to_dict()["phases"],
+            "restart_s": round(restart_s, 1),
+            "total_s": round(now() - t0, 1),
+            "service_transfer": {
+                k: v for k, v in service.last.get(h1.engine.url, {}).items() if k != "chunks"
+            },
+            "check": svc_runner.checks[-1] if svc_runner.checks else None,
+        }
         stuck["recovered"] = report.outcome == "ready"
     except CycleError as e:
         stuck["recovery"] = {"outcome": e.report.outcome, "reason": e.report.reason}
@@ -924,8 +1100,12 @@ async def phase_d(env: Env) -> None:
 
 def gpu_info() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.split("\n")
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.split("\n")
         names = [n.strip() for n in out if n.strip()]
         return f"{len(names)}x {names[0]}" if names else "unknown"
     except Exception:
@@ -935,8 +1115,11 @@ def gpu_info() -> str:
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work)
     os.makedirs(work, exist_ok=True)
-    env = Env(args, {"phases": args.phases, "model": args.model, "argv": sys.argv,
-                     "gpu": gpu_info()}, work)
+    env = Env(
+        args,
+        {"phases": args.phases, "model": args.model, "argv": sys.argv, "gpu": gpu_info()},
+        work,
+    )
     try:
         from updater.transports.nccl import local_vllm_version
 
@@ -1010,11 +1193,16 @@ def breakdown(part: dict[str, Any]) -> dict[str, Any]:
         "steady_chunk_wire_ms": round(wire_chunk_ms, 2) if wire_chunk_ms else None,
         "update_tail_s": round(t["update_http_s"] - ch["span_ms"] / 1e3, 4),
     }
-    best = max((r for r in part.get("sweep", []) if r.get("valid")),
-               key=lambda r: r.get("GBps", 0), default=None)
+    best = max(
+        (r for r in part.get("sweep", []) if r.get("valid")),
+        key=lambda r: r.get("GBps", 0),
+        default=None,
+    )
     if best:
-        out["best_sweep"] = {k: best.get(k) for k in ("buffer_MiB", "num_buffers", "GBps",
-                                                      "update_http_s", "start_s", "finish_s")}
+        out["best_sweep"] = {
+            k: best.get(k)
+            for k in ("buffer_MiB", "num_buffers", "GBps", "update_http_s", "start_s", "finish_s")
+        }
     return out
 
 
@@ -1023,25 +1211,45 @@ def statistics_median(xs: list[float]) -> float:
     return ys[len(ys) // 2]
 
 
-def merge(parts: list[Path], out: Path, command: str,
-          notes: list[str] | None = None) -> dict[str, Any]:
+def merge(
+    parts: list[Path], out: Path, command: str, notes: list[str] | None = None
+) -> dict[str, Any]:
     """Combine phase outputs into the result file the issue asks for: the headline fields on
     top (first part that has each), the transfer breakdown, every part in ``details``."""
     datas = {p.stem: json.loads(p.read_text()) for p in parts}
-    keys = ["bytes", "transfer_s", "transfer_GBps", "window_s", "restart_s",
-            "restart_over_hot", "rolling", "stuck", "raw_nccl_GBps", "vllm_version", "gpu"]
+    keys = [
+        "bytes",
+        "transfer_s",
+        "transfer_GBps",
+        "window_s",
+        "restart_s",
+        "restart_over_hot",
+        "rolling",
+        "stuck",
+        "raw_nccl_GBps",
+        "vllm_version",
+        "gpu",
+    ]
     result: dict[str, Any] = {
-        k: next((d[k] for d in datas.values() if d.get(k) is not None), None) for k in keys}
+        k: next((d[k] for d in datas.values() if d.get(k) is not None), None) for k in keys
+    }
     if isinstance(result["stuck"], dict):
         s = result["stuck"]
-        result["stuck"] = {"deadline_s": s.get("deadline_s"),
-                           "tainted_after_s": s.get("tainted_after_s"),
-                           "recovered": s.get("recovered"), **s}
+        result["stuck"] = {
+            "deadline_s": s.get("deadline_s"),
+            "tainted_after_s": s.get("tainted_after_s"),
+            "recovered": s.get("recovered"),
+            **s,
+        }
     if isinstance(result["rolling"], dict):
         r = result["rolling"]
-        result["rolling"] = {"replicas": r.get("replicas"), "updates": r.get("updates"),
-                             "rollouts": r.get("rollouts"),
-                             "cross_generation": r.get("cross_generation"), **r}
+        result["rolling"] = {
+            "replicas": r.get("replicas"),
+            "updates": r.get("updates"),
+            "rollouts": r.get("rollouts"),
+            "cross_generation": r.get("cross_generation"),
+            **r,
+        }
     result["command"] = command
     if notes:
         result["notes"] = notes
@@ -1066,12 +1274,16 @@ def main(argv: list[str] | None = None) -> int:
         merge(m.parts, m.out, m.command, m.note)
         print(f"wrote {m.out}")
         return 0
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu_update", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.gpu_update",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--phases", default="raw,a,b", help="raw,a,b,c,d (comma-separated)")
     ap.add_argument("--model", default="/tmp/models/qwen3-8b-shape")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"),
-                                                  "gpu_update_part.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "gpu_update_part.json")
+    )
     ap.add_argument("--work", default="/tmp/gpu-bench")
     ap.add_argument("--nccl-bw", default="/tmp/stage/nccl_bw.py")
     ap.add_argument("--nccl-port", type=int, default=29555)
@@ -1088,9 +1300,25 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     result = asyncio.run(amain(args))
-    print(json.dumps({k: result.get(k) for k in (
-        "bytes", "transfer_s", "transfer_GBps", "window_s", "restart_s", "restart_over_hot",
-        "raw_nccl_GBps", "fatal")}, default=str), flush=True)
+    print(
+        json.dumps(
+            {
+                k: result.get(k)
+                for k in (
+                    "bytes",
+                    "transfer_s",
+                    "transfer_GBps",
+                    "window_s",
+                    "restart_s",
+                    "restart_over_hot",
+                    "raw_nccl_GBps",
+                    "fatal",
+                )
+            },
+            default=str,
+        ),
+        flush=True,
+    )
     return 1 if "fatal" in result else 0
 
 

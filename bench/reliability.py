@@ -77,23 +77,44 @@ async def start_env(workdir: Path) -> Env:
     for g in range(6):
         await asyncio.to_thread(marker, g)
     redis = await asyncio.to_thread(redis_server(workdir).start)
-    ss = StoreSettings(url=redis.url, namespace=NAMESPACE, username=USER, password=PASSWORD,
-                       socket_timeout_s=1.0)
+    ss = StoreSettings(
+        url=redis.url, namespace=NAMESPACE, username=USER, password=PASSWORD, socket_timeout_s=1.0
+    )
     store = RedisStore.connect(ss)
     base = marker(0)
-    replicas = [ReplicaConfig(id=f"r{i}", model=base, launch=ReplicaSpec(
-        model=base, name=f"rel-r{i}", cpu_bind=str(i), work_dir=workdir / f"r{i}"))
-        for i in range(2)]
-    settings = UpdaterSettings(replicas=replicas, admin_token=ADMIN, health_interval_s=0.5,
-                               health_timeout_s=1.0, health_failures=2)
+    replicas = [
+        ReplicaConfig(
+            id=f"r{i}",
+            model=base,
+            launch=ReplicaSpec(
+                model=base, name=f"rel-r{i}", cpu_bind=str(i), work_dir=workdir / f"r{i}"
+            ),
+        )
+        for i in range(2)
+    ]
+    settings = UpdaterSettings(
+        replicas=replicas,
+        admin_token=ADMIN,
+        health_interval_s=0.5,
+        health_timeout_s=1.0,
+        health_failures=2,
+    )
     up = Updater(settings, store)
     await up.start()
     runner, uport = await start_server(create_app(up, settings))
     rport = free_port()
-    router = start_router(rport, redis.url, 3.0, {
-        "ROLLOUTPOOL_REDIS_USERNAME": USER, "ROLLOUTPOOL_REDIS_PASSWORD": PASSWORD,
-        "ROLLOUTPOOL_REDIS_SOCKET_TIMEOUT_S": "1.0", "ROLLOUTPOOL_ROUTER_ADMISSION_WAIT_S": "2",
-        "ROLLOUTPOOL_ROUTER_ADMIN_TOKEN": ADMIN})
+    router = start_router(
+        rport,
+        redis.url,
+        3.0,
+        {
+            "ROLLOUTPOOL_REDIS_USERNAME": USER,
+            "ROLLOUTPOOL_REDIS_PASSWORD": PASSWORD,
+            "ROLLOUTPOOL_REDIS_SOCKET_TIMEOUT_S": "1.0",
+            "ROLLOUTPOOL_ROUTER_ADMISSION_WAIT_S": "2",
+            "ROLLOUTPOOL_ROUTER_ADMIN_TOKEN": ADMIN,
+        },
+    )
     url = f"http://127.0.0.1:{rport}"
     await wait_http(url + "/healthz")
     return Env(workdir, redis, store, up, url, f"http://127.0.0.1:{uport}", router, runner)
@@ -129,11 +150,18 @@ async def _pinned_sessions(env: Env, http: httpx.AsyncClient, rid: str, n: int) 
 async def _sentinel(url: str, model: str | None, first_token: asyncio.Event) -> None:
     """Stream one long rollout from ``url``; set ``first_token`` when a token arrives. Ends
     (quietly) when the stream does, e.g. when the replica is killed."""
-    body = {"model": model, "prompt": [9, 8, 7], "max_tokens": 480, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": [9, 8, 7],
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
     try:
-        async with httpx.AsyncClient(timeout=600) as http, \
-                http.stream("POST", url + "/v1/completions", json=body) as r:
+        async with (
+            httpx.AsyncClient(timeout=600) as http,
+            http.stream("POST", url + "/v1/completions", json=body) as r,
+        ):
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     first_token.set()
@@ -141,9 +169,9 @@ async def _sentinel(url: str, model: str | None, first_token: asyncio.Event) -> 
         pass
 
 
-async def watch_recovery(store: RedisStore, replica_id: str, t0: float, *,
-                         timeout_s: float, poll_s: float = 0.05) -> tuple[float | None,
-                                                                           float | None]:
+async def watch_recovery(
+    store: RedisStore, replica_id: str, t0: float, *, timeout_s: float, poll_s: float = 0.05
+) -> tuple[float | None, float | None]:
     """After a fault at monotonic ``t0``: seconds until the replica left READY (detected) and
     until it was READY again (recovered); None for what did not happen within ``timeout_s``."""
     detected = recovered = None
@@ -163,14 +191,20 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
     assert m.launcher is not None and m.launcher.pid is not None
     async with httpx.AsyncClient(base_url=env.router_url, timeout=90) as http:
         ids = await _pinned_sessions(env, http, "r1", n)
-        body = {"model": "rolloutpool", "prompt": [5, 6, 7], "max_tokens": 480,
-                "temperature": 1.0, "ignore_eos": True}
+        body = {
+            "model": "rolloutpool",
+            "prompt": [5, 6, 7],
+            "max_tokens": 480,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
         done_at: dict[str, float] = {}
 
         async def call(rollout_id: str) -> httpx.Response:
             try:
-                return await http.post("/v1/completions", json=body,
-                                       headers={"X-Rollout-Id": rollout_id})
+                return await http.post(
+                    "/v1/completions", json=body, headers={"X-Rollout-Id": rollout_id}
+                )
             finally:
                 done_at[rollout_id] = time.monotonic()
 
@@ -179,8 +213,9 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         # first token: the rollouts under test are then generating, far from their last token.
         # (A fixed sleep raced; so did polling /metrics, which vLLM answers late while busy.)
         sentinel = asyncio.Event()
-        drain = asyncio.create_task(_sentinel(m.handle.engine.url, m.handle.engine.model_id,
-                                              sentinel))
+        drain = asyncio.create_task(
+            _sentinel(m.handle.engine.url, m.handle.engine.model_id, sentinel)
+        )
         await asyncio.wait_for(sentinel.wait(), timeout=60)
         t0 = time.monotonic()
         os.killpg(m.launcher.pid, sig)
@@ -192,19 +227,38 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         b = await env.store.binding(rid)
         before = done_at[rid] < t0
         if isinstance(res, BaseException):
-            outcomes.append({"client": type(res).__name__, "binding": b.state.value,
-                             "reason": b.reason, "ended_before_fault": before})
+            outcomes.append(
+                {
+                    "client": type(res).__name__,
+                    "binding": b.state.value,
+                    "reason": b.reason,
+                    "ended_before_fault": before,
+                }
+            )
             continue
         try:
             code = res.json().get("error", {}).get("code")
         except ValueError:
             code = None
-        outcomes.append({"client": res.status_code, "error_code": code,
-                         "binding": b.state.value, "reason": b.reason,
-                         "ended_before_fault": before})
-    aborted = sum(1 for o in outcomes if isinstance(o["client"], int) and o["client"] >= 500
-                  and o["error_code"] and o["binding"] == "aborted" and o["reason"]
-                  and not o["ended_before_fault"])
+        outcomes.append(
+            {
+                "client": res.status_code,
+                "error_code": code,
+                "binding": b.state.value,
+                "reason": b.reason,
+                "ended_before_fault": before,
+            }
+        )
+    aborted = sum(
+        1
+        for o in outcomes
+        if isinstance(o["client"], int)
+        and o["client"] >= 500
+        and o["error_code"]
+        and o["binding"] == "aborted"
+        and o["reason"]
+        and not o["ended_before_fault"]
+    )
     # A session's binding outlives its requests: one that answered 200 before the fault is
     # aborted later by the taint, which is right (its output was delivered while it was valid).
     finished = sum(1 for o in outcomes if o["client"] == 200 and o["ended_before_fault"])
@@ -217,23 +271,30 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         "inflight_aborted": aborted,
         "inflight_finished_before_fault": finished,
         "inflight_lost": len(ids) - aborted - finished,
-        "recovered": recovered is not None and latest is not None
+        "recovered": recovered is not None
+        and latest is not None
         and rec.generation == latest[0].number,
         "recovered_after_s": None if recovered is None else round(recovered, 1),
         "outcomes": outcomes,
-        "health": {"interval_s": env.updater.settings.health_interval_s,
-                   "timeout_s": env.updater.settings.health_timeout_s,
-                   "failures": env.updater.settings.health_failures},
+        "health": {
+            "interval_s": env.updater.settings.health_interval_s,
+            "timeout_s": env.updater.settings.health_timeout_s,
+            "failures": env.updater.settings.health_failures,
+        },
     }
 
 
 # ------------------------------------------------------------------ redis outages
 
 
-async def _load(env: Env, log: list[tuple[float, float, int, str]], stop: asyncio.Event
-                ) -> None:
-    body = {"model": "rolloutpool", "prompt": [9, 8, 7], "max_tokens": 8,
-            "temperature": 1.0, "ignore_eos": True}
+async def _load(env: Env, log: list[tuple[float, float, int, str]], stop: asyncio.Event) -> None:
+    body = {
+        "model": "rolloutpool",
+        "prompt": [9, 8, 7],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
     async with httpx.AsyncClient(base_url=env.router_url, timeout=30) as http:
         while not stop.is_set():
             t0 = time.monotonic()
@@ -250,8 +311,9 @@ async def _load(env: Env, log: list[tuple[float, float, int, str]], stop: asynci
                 await asyncio.sleep(0.05)
 
 
-async def _outage(env: Env, down_s: float, log: list[tuple[float, float, int, str]]
-                  ) -> dict[str, Any]:
+async def _outage(
+    env: Env, down_s: float, log: list[tuple[float, float, int, str]]
+) -> dict[str, Any]:
     before = [rid for _, _, code, rid in log if code == 200]
     port = env.redis.port
     t_stop = time.monotonic()
@@ -260,10 +322,15 @@ async def _outage(env: Env, down_s: float, log: list[tuple[float, float, int, st
     await asyncio.sleep(0.5)
     push_during: str
     try:
-        await env.updater.submit(UpdateRequest(
-            checkpoint=str(marker(5)), step=5,
-            probe=ProbeSpec(prompt_token_ids=PROBE_PROMPT,
-                            expected_token_ids=[marker_token(5)] * 4)))
+        await env.updater.submit(
+            UpdateRequest(
+                checkpoint=str(marker(5)),
+                step=5,
+                probe=ProbeSpec(
+                    prompt_token_ids=PROBE_PROMPT, expected_token_ids=[marker_token(5)] * 4
+                ),
+            )
+        )
         push_during = "accepted"
     except StoreUnavailable:
         push_during = "refused: store_unavailable"
@@ -318,27 +385,45 @@ async def redis_outage(env: Env) -> dict[str, Any]:
         "restart": restart,
         "stopped_10s": stopped,
         "admissions_during": restart["admissions_during"] + stopped["admissions_during"],
-        "bindings_lost_after_restart": (restart["bindings_lost_after_restart"]
-                                        + stopped["bindings_lost_after_restart"]),
+        "bindings_lost_after_restart": (
+            restart["bindings_lost_after_restart"] + stopped["bindings_lost_after_restart"]
+        ),
         "resumed": restart["resumed"] and stopped["resumed"] and rec["state"] == "succeeded",
         "update_after": rec["state"],
         "durability": "appendonly yes, appendfsync everysec: a clean restart loses nothing; a "
-                      "crash can lose up to ~1 s of writes",
+        "crash can lose up to ~1 s of writes",
         "auth": f"ACL user {USER!r} with a password (the default user has a random "
-                "password nobody is given)",
+        "password nobody is given)",
     }
 
 
 # ------------------------------------------------------------------ fuzzing
 
 
-def schemathesis_run(schema_url: str, base_url: str, examples: int,
-                     headers: dict[str, str]) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "schemathesis.cli", "run", schema_url, "--url", base_url,
-            # every status must be documented (502/503/504 are; a 500 never is)
-            "--checks", "status_code_conformance", "-n", str(examples), "--no-color",
-            "--request-timeout", "30", "--phases", "examples,coverage,fuzzing",
-            "--suppress-health-check", "all"]
+def schemathesis_run(
+    schema_url: str, base_url: str, examples: int, headers: dict[str, str]
+) -> dict[str, Any]:
+    argv = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        schema_url,
+        "--url",
+        base_url,
+        # every status must be documented (502/503/504 are; a 500 never is)
+        "--checks",
+        "status_code_conformance",
+        "-n",
+        str(examples),
+        "--no-color",
+        "--request-timeout",
+        "30",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--suppress-health-check",
+        "all",
+    ]
     for k, v in headers.items():
         argv += ["-H", f"{k}: {v}"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
@@ -349,29 +434,50 @@ def schemathesis_run(schema_url: str, base_url: str, examples: int,
         cases = int(m.group(1))
     m = re.search(r"(\d+) unique failures?", text)
     failures = int(m.group(1)) if m else (0 if out.returncode == 0 else -1)
-    return {"exit_code": out.returncode, "cases": cases, "undocumented_status": failures,
-            "server_errors_500": len(re.findall(r"\b500 Internal Server Error", text)),
-            "tail": text[-1500:]}
+    return {
+        "exit_code": out.returncode,
+        "cases": cases,
+        "undocumented_status": failures,
+        "server_errors_500": len(re.findall(r"\b500 Internal Server Error", text)),
+        "tail": text[-1500:],
+    }
 
 
 async def fuzz(env: Env, examples: int) -> dict[str, Any]:
     up = await asyncio.to_thread(
-        schemathesis_run, env.updater_url + "/openapi.json", env.updater_url, examples,
-        {"Authorization": f"Bearer {ADMIN}"})
+        schemathesis_run,
+        env.updater_url + "/openapi.json",
+        env.updater_url,
+        examples,
+        {"Authorization": f"Bearer {ADMIN}"},
+    )
     rt = await asyncio.to_thread(
-        schemathesis_run, env.router_url + "/openapi.json", env.router_url, examples, {})
+        schemathesis_run, env.router_url + "/openapi.json", env.router_url, examples, {}
+    )
     await asyncio.sleep(8)  # request leases (3 s) expire; the reaper aborts anything left
     leaked = sum(r.active for r in await env.store.replicas())
-    return {"updater_cases": up["cases"], "router_cases": rt["cases"],
-            "check": "status_code_conformance: every response status is documented (the "
-                     "documented 5xx are 502/503/504; a 500 never is)",
-            "server_errors": up["undocumented_status"] + rt["undocumented_status"],
-            "updater_exit_code": up["exit_code"], "router_exit_code": rt["exit_code"],
-            "leaked_bindings": leaked, "updater_tail": up["tail"], "router_tail": rt["tail"]}
+    return {
+        "updater_cases": up["cases"],
+        "router_cases": rt["cases"],
+        "check": "status_code_conformance: every response status is documented (the "
+        "documented 5xx are 502/503/504; a 500 never is)",
+        "server_errors": up["undocumented_status"] + rt["undocumented_status"],
+        "updater_exit_code": up["exit_code"],
+        "router_exit_code": rt["exit_code"],
+        "leaked_bindings": leaked,
+        "updater_tail": up["tail"],
+        "router_tail": rt["tail"],
+    }
 
 
-async def scenario(workdir: Path, *, fuzz_examples: int = 25, faults: bool = True,
-                   outage: bool = True, fuzzing: bool = True) -> dict[str, Any]:
+async def scenario(
+    workdir: Path,
+    *,
+    fuzz_examples: int = 25,
+    faults: bool = True,
+    outage: bool = True,
+    fuzzing: bool = True,
+) -> dict[str, Any]:
     env = await start_env(workdir)
     out: dict[str, Any] = {}
     try:
@@ -382,12 +488,18 @@ async def scenario(workdir: Path, *, fuzz_examples: int = 25, faults: bool = Tru
             print("hang:", out["replica_hang"], flush=True)
         if outage:
             out["redis_outage"] = await redis_outage(env)
-            print("redis:", {k: v for k, v in out["redis_outage"].items()
-                             if k not in ("restart", "stopped_10s")}, flush=True)
+            print(
+                "redis:",
+                {
+                    k: v
+                    for k, v in out["redis_outage"].items()
+                    if k not in ("restart", "stopped_10s")
+                },
+                flush=True,
+            )
         if fuzzing:
             out["fuzz"] = await fuzz(env, fuzz_examples)
-            print("fuzz:", {k: v for k, v in out["fuzz"].items() if "tail" not in k},
-                  flush=True)
+            print("fuzz:", {k: v for k, v in out["fuzz"].items() if "tail" not in k}, flush=True)
         return out
     finally:
         await stop_env(env)
@@ -398,17 +510,34 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--fuzz-examples", type=int, default=25)
-    ap.add_argument("--only", choices=["faults", "outage", "fuzz"], nargs="+",
-                    default=["faults", "outage", "fuzz"])
+    ap.add_argument(
+        "--only",
+        choices=["faults", "outage", "fuzz"],
+        nargs="+",
+        default=["faults", "outage", "fuzz"],
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="reliability-") as d:
-        result = asyncio.run(scenario(
-            Path(d), fuzz_examples=args.fuzz_examples, faults="faults" in args.only,
-            outage="outage" in args.only, fuzzing="fuzz" in args.only))
+        result = asyncio.run(
+            scenario(
+                Path(d),
+                fuzz_examples=args.fuzz_examples,
+                faults="faults" in args.only,
+                outage="outage" in args.only,
+                fuzzing="fuzz" in args.only,
+            )
+        )
     for section, value in result.items():
         merge_reliability(section, value)
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if "tail" not in kk and
-                          kk != "outcomes"} for k, v in result.items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: {kk: vv for kk, vv in v.items() if "tail" not in kk and kk != "outcomes"}
+                for k, v in result.items()
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,13 @@ def cpu_pressure() -> float | None:
 
 async def stream_forever(url: str, model: str, max_tokens: int, stop: asyncio.Event) -> int:
     done = 0
-    body = {"model": model, "prompt": [3, 4, 5], "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": [3, 4, 5],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         while not stop.is_set():
             try:
@@ -61,22 +66,32 @@ async def restart(r1: LocalReplica) -> dict[str, Any]:
         error = None
     except LaunchError as e:
         took, error = None, str(e).splitlines()[0]
-    return {"startup_s": took, "launches": count_launches(r1.log_path) - before,
-            "cpu_pressure_avg60": cpu_pressure(), "error": error}
+    return {
+        "startup_s": took,
+        "launches": count_launches(r1.log_path) - before,
+        "cpu_pressure_avg60": cpu_pressure(),
+        "error": error,
+    }
 
 
 async def scenario(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = marker(0)
-    r0, r1 = (LocalReplica(ReplicaSpec(model=model, name=f"r{i}", cpu_bind=str(i),
-                                       work_dir=work / f"r{i}")) for i in range(2))
+    r0, r1 = (
+        LocalReplica(
+            ReplicaSpec(model=model, name=f"r{i}", cpu_bind=str(i), work_dir=work / f"r{i}")
+        )
+        for i in range(2)
+    )
     await asyncio.gather(r0.start(), r1.start())
     stop = asyncio.Event()
     loads: list[asyncio.Task[int]] = []
     try:
         idle = await restart(r1)
         print("idle", idle, flush=True)
-        loads = [asyncio.create_task(stream_forever(r0.url, str(model), a.max_tokens, stop))
-                 for _ in range(a.rollouts)]
+        loads = [
+            asyncio.create_task(stream_forever(r0.url, str(model), a.max_tokens, stop))
+            for _ in range(a.rollouts)
+        ]
         await asyncio.sleep(10)
         loaded = []
         for i in range(a.restarts):
@@ -100,12 +115,19 @@ async def scenario(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "startup_s_min": min(ok, default=None),
             "startup_s_median": statistics.median(ok) if ok else None,
             "startup_s_max": max(ok, default=None),
-            "ratio_median_to_idle": (round(statistics.median(ok) / idle["startup_s"], 2)
-                                     if ok and idle["startup_s"] else None),
+            "ratio_median_to_idle": (
+                round(statistics.median(ok) / idle["startup_s"], 2)
+                if ok and idle["startup_s"]
+                else None
+            ),
         },
-        "params": {"rollouts": a.rollouts, "max_tokens": a.max_tokens,
-                   "startup_timeout_s": spec.startup_timeout_s,
-                   "startup_stall_s": spec.startup_stall_s, "startup_max_s": spec.startup_max_s},
+        "params": {
+            "rollouts": a.rollouts,
+            "max_tokens": a.max_tokens,
+            "startup_timeout_s": spec.startup_timeout_s,
+            "startup_stall_s": spec.startup_stall_s,
+            "startup_max_s": spec.startup_max_s,
+        },
     }
 
 

@@ -108,20 +108,23 @@ def marker(g: int) -> Path:
     return ensure_model("marker", token_id=marker_token(g))
 
 
-def start_router(port: int, redis_url: str, lease_s: float,
-                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_router(
+    port: int, redis_url: str, lease_s: float, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
-    env.update({
-        "ROLLOUTPOOL_ROUTER_PORT": str(port),
-        "ROLLOUTPOOL_ROUTER_ADMISSION_WAIT_S": "15",
-        "ROLLOUTPOOL_ROUTER_REQUEST_LEASE_S": str(lease_s),
-        "ROLLOUTPOOL_ROUTER_SESSION_LEASE_S": str(lease_s * 2),
-        "ROLLOUTPOOL_ROUTER_REAPER_INTERVAL_S": "0.5",
-        "ROLLOUTPOOL_ROUTER_LOG_LEVEL": "WARNING",
-        "ROLLOUTPOOL_REDIS_URL": redis_url,
-        "ROLLOUTPOOL_REDIS_NAMESPACE": NAMESPACE,
-        **(extra_env or {}),
-    })
+    env.update(
+        {
+            "ROLLOUTPOOL_ROUTER_PORT": str(port),
+            "ROLLOUTPOOL_ROUTER_ADMISSION_WAIT_S": "15",
+            "ROLLOUTPOOL_ROUTER_REQUEST_LEASE_S": str(lease_s),
+            "ROLLOUTPOOL_ROUTER_SESSION_LEASE_S": str(lease_s * 2),
+            "ROLLOUTPOOL_ROUTER_REAPER_INTERVAL_S": "0.5",
+            "ROLLOUTPOOL_ROUTER_LOG_LEVEL": "WARNING",
+            "ROLLOUTPOOL_REDIS_URL": redis_url,
+            "ROLLOUTPOOL_REDIS_NAMESPACE": NAMESPACE,
+            **(extra_env or {}),
+        }
+    )
     return subprocess.Popen([sys.executable, "-m", "router"], env=env, start_new_session=True)
 
 
@@ -142,17 +145,28 @@ async def wait_http(url: str, timeout_s: float = 60) -> None:
 
 
 async def single(http: httpx.AsyncClient, rng: random.Random, p: Params, run: Run) -> None:
-    body = {"model": "rolloutpool", "prompt": [rng.randrange(3, 2000) for _ in range(8)],
-            "max_tokens": p.max_tokens, "temperature": 1.0, "return_token_ids": True,
-            "ignore_eos": True}
+    body = {
+        "model": "rolloutpool",
+        "prompt": [rng.randrange(3, 2000) for _ in range(8)],
+        "max_tokens": p.max_tokens,
+        "temperature": 1.0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     r = await http.post("/v1/completions", json=body)
     if r.status_code != 200:
         run.error(f"single {r.status_code}")
         return
     data = r.json()
-    run.rollouts.append(Rollout(data["rollout"]["id"], "single",
-                                int(data["rollout"]["generation"]),
-                                data["choices"][0]["token_ids"], time.monotonic()))
+    run.rollouts.append(
+        Rollout(
+            data["rollout"]["id"],
+            "single",
+            int(data["rollout"]["generation"]),
+            data["choices"][0]["token_ids"],
+            time.monotonic(),
+        )
+    )
 
 
 async def session(http: httpx.AsyncClient, rng: random.Random, p: Params, run: Run) -> None:
@@ -164,9 +178,14 @@ async def session(http: httpx.AsyncClient, rng: random.Random, p: Params, run: R
     rid, tokens = s["rollout_id"], []
     try:
         for _ in range(3):
-            body = {"model": "rolloutpool", "prompt": [rng.randrange(3, 2000) for _ in range(8)],
-                    "max_tokens": p.max_tokens // 2, "temperature": 1.0,
-                    "return_token_ids": True, "ignore_eos": True}
+            body = {
+                "model": "rolloutpool",
+                "prompt": [rng.randrange(3, 2000) for _ in range(8)],
+                "max_tokens": p.max_tokens // 2,
+                "temperature": 1.0,
+                "return_token_ids": True,
+                "ignore_eos": True,
+            }
             t = await http.post("/v1/completions", json=body, headers={"X-Rollout-Id": rid})
             if t.status_code != 200:
                 run.error(f"session-turn {t.status_code}")
@@ -209,9 +228,14 @@ async def sampler(store: RedisStore, run: Run, stop: asyncio.Event) -> None:
 
 async def push(up: Updater, g: int, timeout_s: float = 300) -> dict[str, Any]:
     tok = marker_token(g)
-    rec = await up.submit(UpdateRequest(
-        checkpoint=str(marker(g)), step=g, trainer_run="rolling-bench",
-        probe=ProbeSpec(prompt_token_ids=PROBE_PROMPT, expected_token_ids=[tok] * 4)))
+    rec = await up.submit(
+        UpdateRequest(
+            checkpoint=str(marker(g)),
+            step=g,
+            trainer_run="rolling-bench",
+            probe=ProbeSpec(prompt_token_ids=PROBE_PROMPT, expected_token_ids=[tok] * 4),
+        )
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         cur = await up.get(rec.id)
@@ -221,8 +245,9 @@ async def push(up: Updater, g: int, timeout_s: float = 300) -> dict[str, Any]:
     raise TimeoutError(f"update to g{g}")
 
 
-async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: int,
-                         p: Params) -> dict[str, Any]:
+async def stuck_transfer(
+    up: Updater, proxy: FaultProxy, store: RedisStore, g: int, p: Params
+) -> dict[str, Any]:
     """Hold r1's /collective_rpc forever during the next update; measure taint and recovery."""
     launcher = up.replicas["r1"].launcher
     assert launcher is not None
@@ -240,12 +265,23 @@ async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: i
         proxy.hang_paths.clear()  # the restarted server must be reachable again for recovery
         up.runner.deadlines = normal
     entries = await store.journal()
-    upd = [e for e in entries if e.type == "transition" and e.fields.get("replica") == "r1"
-           and e.fields.get("to") == "UPDATING"]
-    taint = [e for e in entries if e.type == "transition" and e.fields.get("replica") == "r1"
-             and e.fields.get("to") == "TAINTED"]
-    tainted_after = ((int(taint[-1].fields["ts"]) - int(upd[-1].fields["ts"])) / 1000
-                     if upd and taint else None)
+    upd = [
+        e
+        for e in entries
+        if e.type == "transition"
+        and e.fields.get("replica") == "r1"
+        and e.fields.get("to") == "UPDATING"
+    ]
+    taint = [
+        e
+        for e in entries
+        if e.type == "transition"
+        and e.fields.get("replica") == "r1"
+        and e.fields.get("to") == "TAINTED"
+    ]
+    tainted_after = (
+        (int(taint[-1].fields["ts"]) - int(upd[-1].fields["ts"])) / 1000 if upd and taint else None
+    )
     recovered = False
     while time.monotonic() - t0 < 600:  # room for a stalled start (STARTUP_TIMEOUT_S) + retries
         r1 = await store.replica("r1")
@@ -254,12 +290,16 @@ async def stuck_transfer(up: Updater, proxy: FaultProxy, store: RedisStore, g: i
             recovered = True
             break
         await asyncio.sleep(0.2)
-    return {"deadline_s": p.transfer_deadline_s, "tainted_after_s": tainted_after,
-            "recovered": recovered, "recovered_after_s": round(time.monotonic() - t0, 1),
-            "held_calls": proxy.held, "update_state": rec["state"],
-            "r1_outcome": rec["replicas"].get("r1", {}).get("outcome"),
-            "r1_launches": count_launches(launcher.log_path)}
-
+    return {
+        "deadline_s": p.transfer_deadline_s,
+        "tainted_after_s": tainted_after,
+        "recovered": recovered,
+        "recovered_after_s": round(time.monotonic() - t0, 1),
+        "held_calls": proxy.held,
+        "update_state": rec["state"],
+        "r1_outcome": rec["replicas"].get("r1", {}).get("outcome"),
+        "r1_launches": count_launches(launcher.log_path),
+    }
 
 
 async def router_kill(redis_url: str, store: RedisStore, lease_s: float) -> dict[str, Any]:
@@ -273,12 +313,20 @@ async def router_kill(redis_url: str, store: RedisStore, lease_s: float) -> dict
         for _ in range(3):
             r = await http.post("/v1/rollouts", json={})
             ids.append(r.json()["rollout_id"])
-        body = {"model": "rolloutpool", "prompt": [5, 6, 7], "max_tokens": 400,
-                "temperature": 1.0, "ignore_eos": True}
-        inflight = [asyncio.create_task(http.post("/v1/completions", json=body,
-                                                  headers={"X-Rollout-Id": i})) for i in ids]
-        inflight += [asyncio.create_task(http.post("/v1/completions", json=body))
-                     for _ in range(3)]
+        body = {
+            "model": "rolloutpool",
+            "prompt": [5, 6, 7],
+            "max_tokens": 400,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
+        inflight = [
+            asyncio.create_task(
+                http.post("/v1/completions", json=body, headers={"X-Rollout-Id": i})
+            )
+            for i in ids
+        ]
+        inflight += [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
         await asyncio.sleep(0.3)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -287,10 +335,13 @@ async def router_kill(redis_url: str, store: RedisStore, lease_s: float) -> dict
     # the surviving router's reaper aborts them once their leases expire
     await asyncio.sleep(lease_s * 2 + 2)
     states = [(await store.binding(i)).state.value for i in ids]
-    return {"sessions_in_flight": len(ids), "singles_in_flight": 3,
-            "session_states_after": states,
-            "orphans_left": sum(1 for s in states if s == "active"),
-            "checked_after_s": round(time.monotonic() - t_kill, 1)}
+    return {
+        "sessions_in_flight": len(ids),
+        "singles_in_flight": 3,
+        "session_states_after": states,
+        "orphans_left": sum(1 for s in states if s == "active"),
+        "checked_after_s": round(time.monotonic() - t_kill, 1),
+    }
 
 
 async def unsafe_keep_mode(
@@ -313,9 +364,12 @@ async def unsafe_keep_mode(
     try:
         for made in range(1, attempts + 1):  # noqa: B007 (reported below)
             old, new = marker_token(on), marker_token(to)
-            tasks = [asyncio.create_task(eng.complete(
-                [3 + i, 4, 5], max_tokens=480, temperature=1.0, timeout_s=120))
-                for i in range(n)]
+            tasks = [
+                asyncio.create_task(
+                    eng.complete([3 + i, 4, 5], max_tokens=480, temperature=1.0, timeout_s=120)
+                )
+                for i in range(n)
+            ]
             deadline = time.monotonic() + 30
             running = 0
             while running < 1 and time.monotonic() < deadline:
@@ -330,8 +384,7 @@ async def unsafe_keep_mode(
                 break
     finally:
         await eng.aclose()
-    return {"rollouts": n, "attempts": made, "cross_generation": mixed,
-            "on_generation": on}
+    return {"rollouts": n, "attempts": made, "cross_generation": mixed, "on_generation": on}
 
 
 def cross_generation(rollouts: list[Rollout]) -> list[str]:
@@ -365,15 +418,35 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     proxy = await FaultProxy(f"http://127.0.0.1:{r1_port}").start()
     base = marker(0)
     replicas = [
-        ReplicaConfig(id="r0", model=base, launch=ReplicaSpec(
-            model=base, name="roll-r0", cpu_bind="0", work_dir=workdir / "r0",
-            startup_timeout_s=STARTUP_TIMEOUT_S)),
-        ReplicaConfig(id="r1", model=base, url=proxy.url, launch=ReplicaSpec(
-            model=base, name="roll-r1", cpu_bind="1", port=r1_port, work_dir=workdir / "r1",
-            startup_timeout_s=STARTUP_TIMEOUT_S)),
+        ReplicaConfig(
+            id="r0",
+            model=base,
+            launch=ReplicaSpec(
+                model=base,
+                name="roll-r0",
+                cpu_bind="0",
+                work_dir=workdir / "r0",
+                startup_timeout_s=STARTUP_TIMEOUT_S,
+            ),
+        ),
+        ReplicaConfig(
+            id="r1",
+            model=base,
+            url=proxy.url,
+            launch=ReplicaSpec(
+                model=base,
+                name="roll-r1",
+                cpu_bind="1",
+                port=r1_port,
+                work_dir=workdir / "r1",
+                startup_timeout_s=STARTUP_TIMEOUT_S,
+            ),
+        ),
     ]
     settings = UpdaterSettings(
-        replicas=replicas, health_interval_s=0.5, health_failures=3,
+        replicas=replicas,
+        health_interval_s=0.5,
+        health_failures=3,
         deadlines=Deadlines(transfer_s=60.0),
     )
     up = Updater(settings, store)
@@ -418,8 +491,9 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         bad = cross_generation(run.rollouts)
         result = {
             "rollouts": len(run.rollouts),
-            "rollouts_by_kind": {k: sum(1 for r in run.rollouts if r.kind == k)
-                                 for k in ("single", "session")},
+            "rollouts_by_kind": {
+                k: sum(1 for r in run.rollouts if r.kind == k) for k in ("single", "session")
+            },
             "updates": sum(1 for u in updates if u["state"] == "succeeded"),
             "generations_published": sorted({r.generation for r in run.rollouts}),
             "cross_generation": len(bad),
@@ -435,7 +509,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         if p.negative_control:
             rec = await store.replica("r0")
             result["unsafe_keep_mode"] = await unsafe_keep_mode(
-                rec.url, int(rec.generation or 0), g + 1)
+                rec.url, int(rec.generation or 0), g + 1
+            )
         result["wall_s"] = round(time.monotonic() - t_start, 1)
         result["params"] = p.__dict__
         return result
@@ -457,15 +532,20 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=6)
     args = ap.parse_args()
-    p = Params(rollouts=args.rollouts, generations=args.generations,
-               concurrency=args.concurrency)
+    p = Params(rollouts=args.rollouts, generations=args.generations, concurrency=args.concurrency)
     with tempfile.TemporaryDirectory(prefix="rolling-") as d:
         result = asyncio.run(scenario(p, Path(d)))
     from bench._meta import write
 
     write("rolling_update_cpu", result)
-    keys = ("rollouts", "updates", "cross_generation", "min_admitting_replicas",
-            "throughput_ratio_during_update", "leaked_bindings")
+    keys = (
+        "rollouts",
+        "updates",
+        "cross_generation",
+        "min_admitting_replicas",
+        "throughput_ratio_during_update",
+        "leaked_bindings",
+    )
     print({k: result[k] for k in keys})
     print("unsafe_keep_mode:", result.get("unsafe_keep_mode"))
     print("faults:", result.get("faults"))

@@ -62,9 +62,15 @@ def rss_mb(pid: int) -> float:
 
 
 async def streamed(http: httpx.AsyncClient, rng: random.Random, p: Params, run: Run) -> None:
-    body = {"model": "rolloutpool", "prompt": [rng.randrange(3, 2000) for _ in range(8)],
-            "max_tokens": p.max_tokens, "temperature": 1.0, "stream": True,
-            "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "model": "rolloutpool",
+        "prompt": [rng.randrange(3, 2000) for _ in range(8)],
+        "max_tokens": p.max_tokens,
+        "temperature": 1.0,
+        "stream": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     tokens: list[int] = []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -101,11 +107,20 @@ def updater_config(workdir: Path, redis_url: str, port: int) -> Path:
     base = str(marker(0))
     cfg = {
         "updater": {
-            "port": port, "admin_token": TOKEN, "health_interval_s": 1.0,
+            "port": port,
+            "admin_token": TOKEN,
+            "health_interval_s": 1.0,
             "replicas": [
-                {"id": f"r{i}", "model": base,
-                 "launch": {"model": base, "name": f"soak-r{i}", "cpu_bind": str(i),
-                            "work_dir": str(workdir / f"r{i}")}}
+                {
+                    "id": f"r{i}",
+                    "model": base,
+                    "launch": {
+                        "model": base,
+                        "name": f"soak-r{i}",
+                        "cpu_bind": str(i),
+                        "work_dir": str(workdir / f"r{i}"),
+                    },
+                }
                 for i in range(2)
             ],
         },
@@ -118,8 +133,12 @@ def updater_config(workdir: Path, redis_url: str, port: int) -> Path:
 
 def start_updater(config: Path, log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "updater", "--config", str(config)],
-                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "updater", "--config", str(config)],
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 async def soak(minutes: float, update_every: float, workdir: Path) -> dict[str, Any]:
@@ -148,13 +167,17 @@ async def soak(minutes: float, update_every: float, workdir: Path) -> dict[str, 
             while time.monotonic() - t0 < minutes * 60:
                 await asyncio.sleep(max(0.0, t0 + g * update_every - time.monotonic()))
                 tok = marker_token(g)
-                rec = await asyncio.to_thread(client.push, marker(g), step=g,
-                                              probe=(PROBE_PROMPT, [tok] * 4))
+                rec = await asyncio.to_thread(
+                    client.push, marker(g), step=g, probe=(PROBE_PROMPT, [tok] * 4)
+                )
                 done = await asyncio.to_thread(client.wait, rec["id"], 300.0)
                 updates.append(done)
-                print(f"[{(time.monotonic() - t0) / 60:5.1f} min] g{g} {done['state']}; "
-                      f"rollouts {len(run.rollouts)}; rss router {rss_mb(router.pid)} MB "
-                      f"updater {rss_mb(up_proc.pid)} MB", flush=True)
+                print(
+                    f"[{(time.monotonic() - t0) / 60:5.1f} min] g{g} {done['state']}; "
+                    f"rollouts {len(run.rollouts)}; rss router {rss_mb(router.pid)} MB "
+                    f"updater {rss_mb(up_proc.pid)} MB",
+                    flush=True,
+                )
                 g += 1
         finally:
             client.close()
@@ -174,16 +197,20 @@ async def soak(minutes: float, update_every: float, workdir: Path) -> dict[str, 
         return {
             "minutes": round((time.monotonic() - t0) / 60, 2),
             "rollouts": len(run.rollouts),
-            "rollouts_by_kind": {k: sum(1 for r in run.rollouts if r.kind == k)
-                                 for k in ("single", "stream", "session")},
+            "rollouts_by_kind": {
+                k: sum(1 for r in run.rollouts if r.kind == k)
+                for k in ("single", "stream", "session")
+            },
             "updates": sum(1 for u in updates if u["state"] == "succeeded"),
             "cross_generation": len(bad),
             "leaked_bindings": leaked,
             "binding_states": states,
             "unaccounted_rollouts": unaccounted,
             "client_errors": run.errors,
-            "rss_router_mb_start": rss0["router"], "rss_router_mb_end": rss1["router"],
-            "rss_updater_mb_start": rss0["updater"], "rss_updater_mb_end": rss1["updater"],
+            "rss_router_mb_start": rss0["router"],
+            "rss_router_mb_end": rss1["router"],
+            "rss_updater_mb_start": rss0["updater"],
+            "rss_updater_mb_end": rss1["updater"],
         }
     finally:
         stop.set()

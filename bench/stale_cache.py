@@ -132,10 +132,8 @@ def make_specs(
     """Specs of X (checkpoint A, core 0) and R (checkpoint B, core 1) with identical flags:
     the launcher defaults (float32, eager, 64 MiB KV cache, prefix caching, max len 512)."""
     shared: dict[str, Any] = {"startup_timeout_s": startup_timeout_s}
-    x = ReplicaSpec(model=ckpts.a, name="stale-x", cpu_bind="0",
-                    work_dir=work_root / "x", **shared)
-    r = ReplicaSpec(model=ckpts.b, name="stale-r", cpu_bind="1",
-                    work_dir=work_root / "r", **shared)
+    x = ReplicaSpec(model=ckpts.a, name="stale-x", cpu_bind="0", work_dir=work_root / "x", **shared)
+    r = ReplicaSpec(model=ckpts.b, name="stale-r", cpu_bind="1", work_dir=work_root / "r", **shared)
     return x, r
 
 
@@ -217,8 +215,13 @@ async def shot(engine: VllmEngine, prompt: tuple[int, ...], *, salt: str | None 
     """
     before = await engine.metrics()
     t0 = time.monotonic()
-    out = await engine.complete(list(prompt), max_tokens=GEN_TOKENS, temperature=0.0,
-                                cache_salt=salt, timeout_s=REQUEST_TIMEOUT_S)
+    out = await engine.complete(
+        list(prompt),
+        max_tokens=GEN_TOKENS,
+        temperature=0.0,
+        cache_salt=salt,
+        timeout_s=REQUEST_TIMEOUT_S,
+    )
     ms = (time.monotonic() - t0) * 1000
     deadline = time.monotonic() + 5.0
     while True:
@@ -226,12 +229,17 @@ async def shot(engine: VllmEngine, prompt: tuple[int, ...], *, salt: str | None 
         if after.prefix_cache_queries > before.prefix_cache_queries or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.05)
-    return Shot(out, after.prefix_cache_hits - before.prefix_cache_hits,
-                after.prefix_cache_queries - before.prefix_cache_queries, ms)
+    return Shot(
+        out,
+        after.prefix_cache_hits - before.prefix_cache_hits,
+        after.prefix_cache_queries - before.prefix_cache_queries,
+        ms,
+    )
 
 
-async def routed(store: RedisStore, engine: VllmEngine, rollout_id: str,
-                 prompt: tuple[int, ...]) -> tuple[Shot, Admission]:
+async def routed(
+    store: RedisStore, engine: VllmEngine, rollout_id: str, prompt: tuple[int, ...]
+) -> tuple[Shot, Admission]:
     """One rollout the way the router sends it: admit (I1), ``cache_salt`` = the bound label,
     release. Raises ``AdmissionRefused`` if the replica is not admissible."""
     adm = await store.admit(rollout_id, REPLICA_ID)
@@ -240,8 +248,9 @@ async def routed(store: RedisStore, engine: VllmEngine, rollout_id: str,
     except BaseException:
         await store.release(rollout_id, REPLICA_ID, BindingState.ABORTED, reason="error")
         raise
-    await store.release(rollout_id, REPLICA_ID, prompt_tokens=len(prompt),
-                        completion_tokens=len(s.tokens))
+    await store.release(
+        rollout_id, REPLICA_ID, prompt_tokens=len(prompt), completion_tokens=len(s.tokens)
+    )
     return s, adm
 
 
@@ -298,11 +307,14 @@ async def run_scenario(
     """
     t_start = time.monotonic()
     flags = shared_flags(x.spec, r.spec)
-    _require(x.spec.model == ckpts.a and r.spec.model == ckpts.b,
-             "X must be started on checkpoint A and R on checkpoint B")
+    _require(
+        x.spec.model == ckpts.a and r.spec.model == ckpts.b,
+        "X must be started on checkpoint A and R on checkpoint B",
+    )
     flags["block_size"] = await block_size(x.url)
-    timings: dict[str, Any] = {"server_start_s": {"x": _round(x.startup_s),
-                                                  "r": _round(r.startup_s)}}
+    timings: dict[str, Any] = {
+        "server_start_s": {"x": _round(x.startup_s), "r": _round(r.startup_s)}
+    }
     ex = VllmEngine(x.url, timeout=REQUEST_TIMEOUT_S)
     er = VllmEngine(r.url, timeout=REQUEST_TIMEOUT_S)
     try:
@@ -312,29 +324,36 @@ async def run_scenario(
         # References: B from the independent server R; A from X before anything changed it.
         ref_b_long, ref_b_short = await shot(er, LONG), await shot(er, SHORT)
         ref_a_long, ref_a_short = await shot(ex, LONG), await shot(ex, SHORT)
-        _require(ref_b_long.hits == 0 and ref_a_long.hits == 0,
-                 f"reference runs must be uncached: hits {ref_a_long.hits}, {ref_b_long.hits}")
-        _require(ref_a_long.tokens != ref_b_long.tokens
-                 and ref_a_short.tokens != ref_b_short.tokens,
-                 "A and B must be distinguishable by their outputs")
+        _require(
+            ref_b_long.hits == 0 and ref_a_long.hits == 0,
+            f"reference runs must be uncached: hits {ref_a_long.hits}, {ref_b_long.hits}",
+        )
+        _require(
+            ref_a_long.tokens != ref_b_long.tokens and ref_a_short.tokens != ref_b_short.tokens,
+            "A and B must be distinguishable by their outputs",
+        )
         refs = {"a": ref_a_long.tokens, "b": ref_b_long.tokens}
 
         unsafe = await _unsafe_path(ex, ckpts, refs, ref_b_short.tokens, timings)
-        store = RedisStore.connect(StoreSettings(
-            url=redis_url, namespace=namespace or f"stale{uuid.uuid4().hex[:10]}"))
+        store = RedisStore.connect(
+            StoreSettings(url=redis_url, namespace=namespace or f"stale{uuid.uuid4().hex[:10]}")
+        )
         lease = store.updater_lease("bench-stale-cache")
         token = await lease.acquire(blocking_timeout_s=30)
         keep = asyncio.create_task(lease.keep_alive())
         try:
-            runner = CycleRunner(store, lease, ReloadTransport(),
-                                 deadlines=Deadlines(transfer_s=60.0))
+            runner = CycleRunner(
+                store, lease, ReloadTransport(), deadlines=Deadlines(transfer_s=60.0)
+            )
             handle = ReplicaHandle(REPLICA_ID, ex, read_manifest(ckpts.a))
             await store.register_replica(REPLICA_ID, x.url, token)
-            pool = await _pool_path(store, runner, handle, ckpts, refs, ref_a_short.tokens,
-                                    ref_b_short.tokens, timings)
+            pool = await _pool_path(
+                store, runner, handle, ckpts, refs, ref_a_short.tokens, ref_b_short.tokens, timings
+            )
             missing = (scratch or Path(tempfile.gettempdir())) / f"missing-{uuid.uuid4().hex[:8]}"
-            bad = await _bad_checkpoints(store, runner, handle, x, ckpts, missing,
-                                         refs["b"], ref_b_short.tokens, timings)
+            bad = await _bad_checkpoints(
+                store, runner, handle, x, ckpts, missing, refs["b"], ref_b_short.tokens, timings
+            )
         finally:
             keep.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -349,8 +368,10 @@ async def run_scenario(
 
     verdict = {
         "unsafe_shows_hazard": unsafe["stale_hits"] > 0 and not unsafe["matches_reference"],
-        "pool_safe": pool["stale_hits"] == 0 and pool["stale_hits_unsalted"] == 0
-        and pool["matches_reference"] and pool["matches_reference_unsalted"],
+        "pool_safe": pool["stale_hits"] == 0
+        and pool["stale_hits_unsalted"] == 0
+        and pool["matches_reference"]
+        and pool["matches_reference_unsalted"],
         "all_bad_refused": bad["refused"] == bad["tried"] and bad["tried"] > 0,
         "none_poisoned": bad["engines_poisoned"] == 0,
     }
@@ -385,15 +406,23 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 2)
 
 
-async def _unsafe_path(ex: VllmEngine, ckpts: Checkpoints, refs: dict[str, tuple[int, ...]],
-                       ref_b_short: tuple[int, ...], timings: dict[str, Any]) -> dict[str, Any]:
+async def _unsafe_path(
+    ex: VllmEngine,
+    ckpts: Checkpoints,
+    refs: dict[str, tuple[int, ...]],
+    ref_b_short: tuple[int, ...],
+    timings: dict[str, Any],
+) -> dict[str, Any]:
     """Fill the cache under A, reload B with no pause and no reset, measure; restore A."""
     fill = await shot(ex, LONG)  # the reference run was the first; this repeat must hit
     _require(fill.hits > 0, f"LONG repeat on A got no prefix-cache hits ({fill})")
-    rpc = await ex.collective_rpc("reload_weights", {"weights_path": str(ckpts.b)},
-                                  timeout_s=REQUEST_TIMEOUT_S)
-    _require(list(rpc.results) == [None] * len(rpc.results) and len(rpc.results) > 0,
-             f"reload_weights(B) failed: {rpc.results}")
+    rpc = await ex.collective_rpc(
+        "reload_weights", {"weights_path": str(ckpts.b)}, timeout_s=REQUEST_TIMEOUT_S
+    )
+    _require(
+        list(rpc.results) == [None] * len(rpc.results) and len(rpc.results) > 0,
+        f"reload_weights(B) failed: {rpc.results}",
+    )
     after = await shot(ex, LONG)
     short = await shot(ex, SHORT)
     timings["unsafe_reload_ms"] = _ms(rpc.elapsed_s)
@@ -401,16 +430,21 @@ async def _unsafe_path(ex: VllmEngine, ckpts: Checkpoints, refs: dict[str, tuple
     # Restore A properly so X can be reused: pause, reload A, reset caches, resume.
     t0 = time.monotonic()
     await ex.pause("wait", timeout_s=REQUEST_TIMEOUT_S)
-    back = await ex.collective_rpc("reload_weights", {"weights_path": str(ckpts.a)},
-                                   timeout_s=REQUEST_TIMEOUT_S)
+    back = await ex.collective_rpc(
+        "reload_weights", {"weights_path": str(ckpts.a)}, timeout_s=REQUEST_TIMEOUT_S
+    )
     reset = await ex.reset_caches()
     await ex.resume()
     timings["restore_ms"] = _ms(time.monotonic() - t0)
-    _require(all(v is None for v in back.results) and reset.prefix,
-             f"restoring A failed: reload {back.results}, reset {reset}")
+    _require(
+        all(v is None for v in back.results) and reset.prefix,
+        f"restoring A failed: reload {back.results}, reset {reset}",
+    )
     restored = await shot(ex, LONG)
-    _require(restored.hits == 0 and restored.tokens == refs["a"],
-             f"X not restored to A: hits {restored.hits}, tokens {_head(restored.tokens)}")
+    _require(
+        restored.hits == 0 and restored.tokens == refs["a"],
+        f"X not restored to A: hits {restored.hits}, tokens {_head(restored.tokens)}",
+    )
     return {
         "stale_hits": after.hits,
         "matches_reference": after.tokens == refs["b"],
@@ -424,10 +458,16 @@ async def _unsafe_path(ex: VllmEngine, ckpts: Checkpoints, refs: dict[str, tuple
     }
 
 
-async def _pool_path(store: RedisStore, runner: CycleRunner, handle: ReplicaHandle,
-                     ckpts: Checkpoints, refs: dict[str, tuple[int, ...]],
-                     ref_a_short: tuple[int, ...], ref_b_short: tuple[int, ...],
-                     timings: dict[str, Any]) -> dict[str, Any]:
+async def _pool_path(
+    store: RedisStore,
+    runner: CycleRunner,
+    handle: ReplicaHandle,
+    ckpts: Checkpoints,
+    refs: dict[str, tuple[int, ...]],
+    ref_a_short: tuple[int, ...],
+    ref_b_short: tuple[int, ...],
+    timings: dict[str, Any],
+) -> dict[str, Any]:
     """Bootstrap g0 (A), warm LONG salted and unsalted, cycle to g1 (B), measure."""
     g0, g1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
     id_a, id_b = identity_of(ckpts.a, 0), identity_of(ckpts.b, 1)
@@ -439,11 +479,15 @@ async def _pool_path(store: RedisStore, runner: CycleRunner, handle: ReplicaHand
     warm_plain = [await shot(handle.engine, LONG) for _ in (1, 2)]
     salt_g0 = warm_salted[0][1].label
     _require(salt_g0 == "g0", f"admission on g0 bound label {salt_g0!r}")
-    _require(warm_salted[1][0].hits > 0 and warm_plain[1].hits > 0,
-             "warming LONG on g0 did not fill the prefix cache")
-    _require(all(s.tokens == refs["a"] for s, _ in warm_salted)
-             and all(s.tokens == refs["a"] for s in warm_plain),
-             "X on g0 does not produce A's output for LONG")
+    _require(
+        warm_salted[1][0].hits > 0 and warm_plain[1].hits > 0,
+        "warming LONG on g0 did not fill the prefix cache",
+    )
+    _require(
+        all(s.tokens == refs["a"] for s, _ in warm_salted)
+        and all(s.tokens == refs["a"] for s in warm_plain),
+        "X on g0 does not produce A's output for LONG",
+    )
 
     target = UpdateTarget(g1, id_b, ckpts.b, Probe(SHORT, ref_b_short))
     t0 = time.monotonic()
@@ -451,8 +495,10 @@ async def _pool_path(store: RedisStore, runner: CycleRunner, handle: ReplicaHand
     timings["cycle_total_s"] = round(time.monotonic() - t0, 3)
     timings["cycle"] = report.to_dict()
     rec = await store.replica(REPLICA_ID)
-    _require((rec.state, rec.generation, rec.label) == (ReplicaState.READY, 1, "g1"),
-             f"after the cycle X is {rec.state} on {rec.generation}/{rec.label}")
+    _require(
+        (rec.state, rec.generation, rec.label) == (ReplicaState.READY, 1, "g1"),
+        f"after the cycle X is {rec.state} on {rec.generation}/{rec.label}",
+    )
 
     salted, adm = await routed(store, handle.engine, "after-salted", LONG)
     plain = await shot(handle.engine, LONG)
@@ -472,25 +518,41 @@ async def _pool_path(store: RedisStore, runner: CycleRunner, handle: ReplicaHand
     }
 
 
-async def _bad_checkpoints(store: RedisStore, runner: CycleRunner, handle: ReplicaHandle,
-                           x: LocalReplica, ckpts: Checkpoints, missing: Path,
-                           ref_long: tuple[int, ...], ref_short: tuple[int, ...],
-                           timings: dict[str, Any]) -> dict[str, Any]:
+async def _bad_checkpoints(
+    store: RedisStore,
+    runner: CycleRunner,
+    handle: ReplicaHandle,
+    x: LocalReplica,
+    ckpts: Checkpoints,
+    missing: Path,
+    ref_long: tuple[int, ...],
+    ref_short: tuple[int, ...],
+    timings: dict[str, Any],
+) -> dict[str, Any]:
     """Try each bad checkpoint through CycleRunner.run while X is READY on g1."""
     cur = handle.lc.generation
     _require(cur is not None, "X has no generation")
     assert cur is not None
     a_digest = read_manifest(ckpts.a).digest
     cases: list[tuple[str, Path, WeightIdentity]] = [
-        ("missing_path", missing,
-         WeightIdentity(manifest_digest=a_digest, checkpoint_uri=str(missing), step=2)),
+        (
+            "missing_path",
+            missing,
+            WeightIdentity(manifest_digest=a_digest, checkpoint_uri=str(missing), step=2),
+        ),
         ("wrong_shapes", ckpts.wide, identity_of(ckpts.wide, 2)),
         ("wrong_dtype", ckpts.bf16, identity_of(ckpts.bf16, 2)),
-        ("identity_manifest_digest", ckpts.a,
-         identity_of(ckpts.a, 2, manifest_digest="sha256:" + "0" * 64)),
+        (
+            "identity_manifest_digest",
+            ckpts.a,
+            identity_of(ckpts.a, 2, manifest_digest="sha256:" + "0" * 64),
+        ),
         ("identity_checkpoint_uri", ckpts.a, identity_of(ckpts.a, 2, checkpoint_uri=str(ckpts.b))),
-        ("identity_content_hash", ckpts.a,
-         identity_of(ckpts.a, 2, content_hash=content_hash(ckpts.b))),
+        (
+            "identity_content_hash",
+            ckpts.a,
+            identity_of(ckpts.a, 2, content_hash=content_hash(ckpts.b)),
+        ),
     ]
     details: list[dict[str, Any]] = []
     refusal_ms: dict[str, float] = {}
@@ -507,8 +569,9 @@ async def _bad_checkpoints(store: RedisStore, runner: CycleRunner, handle: Repli
         except Exception as e:  # not expected: record it, the checks below still run
             outcome, reason = "error", f"{type(e).__name__}: {e}"
         refusal_ms[name] = _ms(time.monotonic() - t0)
-        transitions = [e for e in (await store.journal())[journal_before:]
-                       if e.type == "transition"]
+        transitions = [
+            e for e in (await store.journal())[journal_before:] if e.type == "transition"
+        ]
         alive = x.alive and await handle.engine.health()
         d: dict[str, Any] = {
             "case": name,
@@ -533,8 +596,10 @@ async def _bad_checkpoints(store: RedisStore, runner: CycleRunner, handle: Repli
                 d["output_matches"] = False
                 d["check_error"] = f"{type(e).__name__}: {e}"[:400]
             d["still_ready_on_old"] = (
-                d["state_after"] == ReplicaState.READY and d["generation_after"] == cur.number
-                and d["label_after"] == cur.label and not d["paused_after"]
+                d["state_after"] == ReplicaState.READY
+                and d["generation_after"] == cur.number
+                and d["label_after"] == cur.label
+                and not d["paused_after"]
             )
         else:
             d["output_matches"] = False
@@ -567,7 +632,8 @@ def summary(result: dict[str, Any]) -> str:
         f"cycle {t['cycle_total_s']} s, window {t['cycle']['window_s']} s",
         f"bad checkpoints: tried={b['tried']} refused={b['refused']} "
         f"poisoned={b['engines_poisoned']} ("
-        + ", ".join(f"{d['case']}: {d['outcome']}" for d in b["details"]) + ")",
+        + ", ".join(f"{d['case']}: {d['outcome']}" for d in b["details"])
+        + ")",
         f"servers started in {t['server_start_s']} s; verdict ok={result['verdict']['ok']}",
     ]
     return "\n".join(lines)
@@ -599,8 +665,9 @@ async def _amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.stale_cache",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.stale_cache", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs)")
     ap.add_argument("--no-write", action="store_true", help="do not write the result file")
     args = ap.parse_args(argv)

@@ -76,8 +76,17 @@ class RedisServer:
             *self.extra,
         ]  # fmt: skip
         if self.username and self.password:
-            argv += ["--requirepass", secrets.token_hex(24),
-                     "--user", self.username, "on", f">{self.password}", "~*", "&*", "+@all"]
+            argv += [
+                "--requirepass",
+                secrets.token_hex(24),
+                "--user",
+                self.username,
+                "on",
+                f">{self.password}",
+                "~*",
+                "&*",
+                "+@all",
+            ]
         elif self.password:
             argv += ["--requirepass", self.password]
         self.proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL)

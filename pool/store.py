@@ -85,7 +85,9 @@ end
 # ARGV[5] min_generation (-1: none)  ARGV[6] exact generation (-1: none)  ARGV[7] session 0|1
 # ARGV[8] journal maxlen
 # Returns {'ok', generation, label, identity, now} | {'refused', reason, detail}
-_ADMIT = _PRELUDE + """
+_ADMIT = (
+    _PRELUDE
+    + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'refused', 'duplicate_rollout', ARGV[1]} end
 local r = redis.call('HMGET', KEYS[1], 'state', 'generation', 'label', 'identity', 'capacity')
 if not r[1] then return {'refused', 'unknown_replica', ARGV[2]} end
@@ -111,6 +113,7 @@ journal(KEYS[6], ARGV[8], 'type', 'admit', 'rollout', ARGV[1], 'replica', ARGV[2
   'generation', r[2])
 return {'ok', r[2], r[3], r[4], tostring(now)}
 """
+)
 
 # RELEASE — end an active binding exactly once.
 # KEYS[1] binding  KEYS[2] active set of the binding's replica  KEYS[3] leases  KEYS[4] journal
@@ -118,7 +121,9 @@ return {'ok', r[2], r[3], r[4], tostring(now)}
 # ARGV[5] prompt tokens (added)  ARGV[6] completion tokens (added)  ARGV[7] retention ms
 # ARGV[8] journal maxlen
 # Returns {'ok'} | {'already', state} | {'unknown'} | {'mismatch', replica}
-_RELEASE = _PRELUDE + """
+_RELEASE = (
+    _PRELUDE
+    + """
 local b = redis.call('HMGET', KEYS[1], 'state', 'replica_id')
 if not b[1] then return {'unknown'} end
 if b[2] ~= ARGV[2] then return {'mismatch', b[2]} end
@@ -134,13 +139,16 @@ journal(KEYS[4], ARGV[8], 'type', 'release', 'rollout', ARGV[1], 'replica', ARGV
   'state', ARGV[3], 'reason', ARGV[4])
 return {'ok'}
 """
+)
 
 # TOUCH — a request of an active binding: extend its lease, count the request and its tokens.
 # KEYS[1] binding  KEYS[2] leases
 # ARGV[1] rollout id  ARGV[2] lease ttl ms  ARGV[3] requests added  ARGV[4] prompt tokens added
 # ARGV[5] completion tokens added
 # Returns {'ok', expires_ms} | {'gone', state-or-''}
-_TOUCH = _PRELUDE + """
+_TOUCH = (
+    _PRELUDE
+    + """
 local s = redis.call('HGET', KEYS[1], 'state')
 if s ~= 'active' then return {'gone', s or ''} end
 local exp = now + tonumber(ARGV[2])
@@ -151,6 +159,7 @@ redis.call('HINCRBY', KEYS[1], 'prompt_tokens', tonumber(ARGV[4]))
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', tonumber(ARGV[5]))
 return {'ok', tostring(exp)}
 """
+)
 
 # TRANSITION — fenced compare-and-set of a replica's state (also begin-drain and publish).
 # KEYS[1] replica hash  KEYS[2] updater lease  KEYS[3] active set  KEYS[4] latest
@@ -163,7 +172,9 @@ return {'ok', tostring(exp)}
 #         | {'unknown'}
 # Entering QUIESCED or UPDATING requires zero active bindings (I2). Entering READY with
 # publish=1 moves {ns}:latest to the new generation if it is newer (first replica publishes).
-_TRANSITION = _PRELUDE + """
+_TRANSITION = (
+    _PRELUDE
+    + """
 local holder = redis.call('GET', KEYS[2])
 if holder ~= ARGV[2] then return {'stale_token', holder or ''} end
 local s = redis.call('HGET', KEYS[1], 'state')
@@ -197,13 +208,16 @@ if ARGV[9] == '1' and ARGV[4] == 'READY' then
 end
 return {'ok', tostring(active)}
 """
+)
 
 # TAINT — close admissions on a replica from any state (no lease needed: it only restricts).
 # KEYS[1] replica hash  KEYS[2] journal
 # ARGV[1] replica id  ARGV[2] reason  ARGV[3] source  ARGV[4] journal maxlen
 # ARGV[5] expected state ('' = any)
 # Returns {'ok', previous} | {'unknown'} | {'conflict', state}
-_TAINT = _PRELUDE + """
+_TAINT = (
+    _PRELUDE
+    + """
 local s = redis.call('HGET', KEYS[1], 'state')
 if not s then return {'unknown'} end
 if ARGV[5] ~= '' and s ~= ARGV[5] then return {'conflict', s} end
@@ -213,13 +227,16 @@ journal(KEYS[2], ARGV[4], 'type', 'transition', 'replica', ARGV[1], 'from', s, '
   'reason', ARGV[2], 'source', ARGV[3])
 return {'ok', s}
 """
+)
 
 # DECLARE — record a generation the updater is about to roll out (write-once per number).
 # KEYS[1] generations  KEYS[2] updater lease  KEYS[3] latest  KEYS[4] journal
 # ARGV[1] number  ARGV[2] record JSON  ARGV[3] fencing token  ARGV[4] journal maxlen
 # Returns {'ok'} | {'exists'} (same record) | {'conflict', json} | {'stale_token', holder}
 #         | {'not_newer', latest}
-_DECLARE = _PRELUDE + """
+_DECLARE = (
+    _PRELUDE
+    + """
 local holder = redis.call('GET', KEYS[2])
 if holder ~= ARGV[3] then return {'stale_token', holder or ''} end
 local old = redis.call('HGET', KEYS[1], ARGV[1])
@@ -233,12 +250,15 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 journal(KEYS[4], ARGV[4], 'type', 'declare', 'generation', ARGV[1], 'fence', ARGV[3])
 return {'ok'}
 """
+)
 
 # REGISTER — add a replica (UNINITIALIZED) or update its url/capacity; fenced.
 # KEYS[1] replicas set  KEYS[2] replica hash  KEYS[3] updater lease  KEYS[4] journal
 # ARGV[1] replica id  ARGV[2] url  ARGV[3] capacity  ARGV[4] token  ARGV[5] journal maxlen
 # Returns {'ok', state} | {'stale_token', holder}
-_REGISTER = _PRELUDE + """
+_REGISTER = (
+    _PRELUDE
+    + """
 local holder = redis.call('GET', KEYS[3])
 if holder ~= ARGV[4] then return {'stale_token', holder or ''} end
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -251,6 +271,7 @@ end
 redis.call('HSET', KEYS[2], 'url', ARGV[2], 'capacity', ARGV[3])
 return {'ok', s}
 """
+)
 
 
 @dataclass(frozen=True)
@@ -501,9 +522,7 @@ class RedisStore:
             if replica is None:
                 await self._call(partial(self.r.zrem, self.k.leases, rid))
                 continue
-            if await self.release(
-                rid, str(replica), BindingState.ABORTED, reason="lease expired"
-            ):
+            if await self.release(rid, str(replica), BindingState.ABORTED, reason="lease expired"):
                 reaped.append(rid)
         return reaped
 

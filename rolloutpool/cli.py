@@ -61,8 +61,10 @@ def _status(router: str) -> int:
     print(f"{'replica':<12} {'state':<13} {'gen':>4} {'label':<10} {'active':>6}  url")
     for r in pool.get("replicas", []):
         gen = "-" if r.get("generation") is None else r["generation"]
-        print(f"{r['replica_id']:<12} {r['state']:<13} {gen:>4} {r.get('label') or '-':<10} "
-              f"{r.get('active', 0):>6}  {r.get('url', '')}")
+        print(
+            f"{r['replica_id']:<12} {r['state']:<13} {gen:>4} {r.get('label') or '-':<10} "
+            f"{r.get('active', 0):>6}  {r.get('url', '')}"
+        )
     return 0
 
 
@@ -92,13 +94,15 @@ def _demo(args: argparse.Namespace) -> int:
 
     config = _config(args.config)
     if args.config is None:
-        config = config.model_copy(update={
-            "model_init_std": 0.02,  # a near-uniform policy: room to learn
-            "fresh": True,  # every demo starts from generation 0
-            "workdir": config.workdir.parent / "demo",
-            "router_port": args.router_port,
-            "updater_port": args.updater_port,
-        })
+        config = config.model_copy(
+            update={
+                "model_init_std": 0.02,  # a near-uniform policy: room to learn
+                "fresh": True,  # every demo starts from generation 0
+                "workdir": config.workdir.parent / "demo",
+                "router_port": args.router_port,
+                "updater_port": args.updater_port,
+            }
+        )
     cfg = demo.DemoConfig(steps=args.steps, push_every=args.push_every)
     results = Path(args.results)
     result = asyncio.run(demo.run(cfg, config, results))
@@ -113,12 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.add_parser("up", help="start the embedded pool and serve until Ctrl-C")
     up.add_argument("--config", type=Path)
     st = sub.add_parser("status", help="show replicas and generations")
-    st.add_argument("--router", default=os.environ.get("ROLLOUTPOOL_ROUTER",
-                                                       "http://127.0.0.1:8000"))
+    st.add_argument(
+        "--router", default=os.environ.get("ROLLOUTPOOL_ROUTER", "http://127.0.0.1:8000")
+    )
     pu = sub.add_parser("push", help="push a checkpoint to the updater")
     pu.add_argument("checkpoint")
-    pu.add_argument("--updater", default=os.environ.get("ROLLOUTPOOL_UPDATER",
-                                                        "http://127.0.0.1:8300"))
+    pu.add_argument(
+        "--updater", default=os.environ.get("ROLLOUTPOOL_UPDATER", "http://127.0.0.1:8300")
+    )
     pu.add_argument("--token", default=os.environ.get("ROLLOUTPOOL_ADMIN_TOKEN"))
     pu.add_argument("--step", type=int)
     pu.add_argument("--label")

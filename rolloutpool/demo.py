@@ -77,6 +77,7 @@ class Trainer:
     def __init__(self, base: Path, cfg: DemoConfig, workdir: Path) -> None:
         import torch
         from transformers import LlamaForCausalLM
+
         hf_logging: Any = importlib.import_module("transformers.utils.logging")
         hf_logging.disable_progress_bar()
         torch.manual_seed(cfg.seed)
@@ -93,7 +94,7 @@ class Trainer:
         r = torch.tensor([reward(c) for c in completions])
         adv = (r - r.mean()) / (r.std() + 1e-6)
         seqs = torch.tensor([p + c for p, c in zip(prompts, completions, strict=True)])
-        comp = seqs[:, len(prompts[0]):]
+        comp = seqs[:, len(prompts[0]) :]
         logits = self.model(seqs).logits[:, len(prompts[0]) - 1 : -1]
         logp = torch.log_softmax(logits, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1).sum(1)
         loss = -(adv * logp).mean()
@@ -115,10 +116,15 @@ class Trainer:
         return out, probe
 
 
-async def _rollout(http: httpx.AsyncClient, prompt: list[int], cfg: DemoConfig
-                   ) -> dict[str, Any]:
-    body = {"model": "rolloutpool", "prompt": prompt, "max_tokens": cfg.max_tokens,
-            "temperature": 1.0, "return_token_ids": True, "ignore_eos": True}
+async def _rollout(http: httpx.AsyncClient, prompt: list[int], cfg: DemoConfig) -> dict[str, Any]:
+    body = {
+        "model": "rolloutpool",
+        "prompt": prompt,
+        "max_tokens": cfg.max_tokens,
+        "temperature": 1.0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     r = await http.post("/v1/completions", json=body)
     r.raise_for_status()
     data: dict[str, Any] = r.json()
@@ -128,9 +134,11 @@ async def _rollout(http: httpx.AsyncClient, prompt: list[int], cfg: DemoConfig
 async def _background(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Event) -> None:
     rng = random.Random(1)
     while not stop.is_set():
-        body = {"model": "rolloutpool",
-                "token_ids": [rng.randrange(3, 2048) for _ in range(12)],
-                "sampling_params": {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True}}
+        body = {
+            "model": "rolloutpool",
+            "token_ids": [rng.randrange(3, 2048) for _ in range(12)],
+            "sampling_params": {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True},
+        }
         try:
             r = await http.post("/inference/v1/generate", json=body)
         except httpx.HTTPError:
@@ -152,16 +160,18 @@ async def _background(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Event
         stats.count(ro)
 
 
-async def _timeline(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Event, t0: float
-                    ) -> None:
+async def _timeline(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Event, t0: float) -> None:
     while not stop.is_set():
         try:
             pool = (await http.get("/v1/pool")).json()
-            stats.timeline.append({
-                "t": round(time.monotonic() - t0, 3),
-                "replicas": {r["replica_id"]: [r["state"], r["generation"]]
-                             for r in pool["replicas"]},
-            })
+            stats.timeline.append(
+                {
+                    "t": round(time.monotonic() - t0, 3),
+                    "replicas": {
+                        r["replica_id"]: [r["state"], r["generation"]] for r in pool["replicas"]
+                    },
+                }
+            )
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         await asyncio.sleep(0.25)
@@ -176,15 +186,19 @@ async def train(pool: EmbeddedPool, cfg: DemoConfig, workdir: Path) -> tuple[Sta
     t0 = time.monotonic()
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=pool.router_url, timeout=120, limits=limits) as http:
-        bg = [asyncio.create_task(_background(http, stats, stop))
-              for _ in range(cfg.background_concurrency)]
+        bg = [
+            asyncio.create_task(_background(http, stats, stop))
+            for _ in range(cfg.background_concurrency)
+        ]
         tl = asyncio.create_task(_timeline(http, stats, stop, t0))
         updates: list[Any] = []
         client = UpdaterClient(pool.updater_url, pool.admin_token)
         try:
             for step in range(1, cfg.steps + 1):
-                prompts = [[rng.randrange(3, 2048) for _ in range(cfg.prompt_len)]
-                           for _ in range(cfg.batch)]
+                prompts = [
+                    [rng.randrange(3, 2048) for _ in range(cfg.prompt_len)]
+                    for _ in range(cfg.batch)
+                ]
                 results = await asyncio.gather(*(_rollout(http, p, cfg) for p in prompts))
                 completions = [r["choices"][0]["token_ids"] for r in results]
                 for res, comp in zip(results, completions, strict=True):
@@ -196,16 +210,22 @@ async def train(pool: EmbeddedPool, cfg: DemoConfig, workdir: Path) -> tuple[Sta
                 print(f"  step {step:>3}  reward {mean_r:.3f}  rollouts from g{gens}", flush=True)
                 if step % cfg.push_every == 0 and step < cfg.steps:
                     ckpt, probe = await asyncio.to_thread(trainer.checkpoint, step)
-                    rec = await asyncio.to_thread(client.push, ckpt, step=step, probe=probe,
-                                                  trainer_run="demo")
+                    rec = await asyncio.to_thread(
+                        client.push, ckpt, step=step, probe=probe, trainer_run="demo"
+                    )
                     done = await asyncio.to_thread(client.wait, rec["id"], 300.0)
-                    windows = [r["window_s"] for r in done["replicas"].values()
-                               if r.get("window_s") is not None]
+                    windows = [
+                        r["window_s"]
+                        for r in done["replicas"].values()
+                        if r.get("window_s") is not None
+                    ]
                     stats.windows[done["generation"]] = max(windows, default=0.0)
                     updates.append(done)
-                    print(f"  pushed step {step} -> g{done['generation']} "
-                          f"(window {stats.windows[done['generation']]:.2f}s per replica)",
-                          flush=True)
+                    print(
+                        f"  pushed step {step} -> g{done['generation']} "
+                        f"(window {stats.windows[done['generation']]:.2f}s per replica)",
+                        flush=True,
+                    )
         finally:
             stop.set()
             client.close()
@@ -219,8 +239,10 @@ def table(stats: Stats) -> str:
         rs = stats.rewards.get(g, [])
         mean = f"{statistics.fmean(rs):.3f}" if rs else "-"
         win = f"{stats.windows[g]:.2f}" if g in stats.windows else "-"
-        lines.append(f"{g:>4} {stats.rollouts[g]:>9} {mean:>12} "
-                     f"{','.join(sorted(stats.replicas[g])):>22} {win:>9}")
+        lines.append(
+            f"{g:>4} {stats.rollouts[g]:>9} {mean:>12} "
+            f"{','.join(sorted(stats.replicas[g])):>22} {win:>9}"
+        )
     return "\n".join(lines)
 
 
@@ -243,8 +265,11 @@ def plot(stats: Stats, path: Path) -> None:
         ts = [s["t"] for s in stats.timeline if rid in s["replicas"]]
         gs = [s["replicas"][rid][1] for s in stats.timeline if rid in s["replicas"]]
         b.step(ts, [(-1 if g is None else g) + 0.08 * i for g in gs], where="post", label=rid)
-        down = [t for s, t in zip(stats.timeline, ts, strict=False)
-                if rid in s["replicas"] and s["replicas"][rid][0] != "READY"]
+        down = [
+            t
+            for s, t in zip(stats.timeline, ts, strict=False)
+            if rid in s["replicas"] and s["replicas"][rid][0] != "READY"
+        ]
         b.plot(down, [0.0 + 0.08 * i - 0.5] * len(down), "|", ms=6)
     b.set_xlabel("seconds")
     b.set_ylabel("generation served")
@@ -277,11 +302,14 @@ async def run(cfg: DemoConfig, pool_config: PoolConfig, results: Path) -> dict[s
         "background_errors": stats.background_errors,
         "updates": len(updates),
         "per_generation": {
-            str(g): {"rollouts": stats.rollouts[g],
-                     "mean_reward": (round(statistics.fmean(stats.rewards[g]), 4)
-                                     if stats.rewards.get(g) else None),
-                     "replicas": sorted(stats.replicas[g]),
-                     "update_window_s": stats.windows.get(g)}
+            str(g): {
+                "rollouts": stats.rollouts[g],
+                "mean_reward": (
+                    round(statistics.fmean(stats.rewards[g]), 4) if stats.rewards.get(g) else None
+                ),
+                "replicas": sorted(stats.replicas[g]),
+                "update_window_s": stats.windows.get(g),
+            }
             for g in sorted(stats.rollouts)
         },
         "config": cfg.__dict__,
@@ -290,6 +318,18 @@ async def run(cfg: DemoConfig, pool_config: PoolConfig, results: Path) -> dict[s
     png = results / "demo.png"
     await asyncio.to_thread(plot, stats, png)
     print(f"plot: {png}")
-    print(json.dumps({k: result[k] for k in ("generations", "reward_first", "reward_last",
-                                             "cross_generation", "rollouts")}))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "generations",
+                    "reward_first",
+                    "reward_last",
+                    "cross_generation",
+                    "rollouts",
+                )
+            }
+        )
+    )
     return result

@@ -112,14 +112,20 @@ class EmbeddedPool:
             for i in range(c.replicas)
         ]
         usettings = UpdaterSettings(
-            host="127.0.0.1", port=c.updater_port, admin_token=self.admin_token,
-            replicas=replicas, **c.updater,
+            host="127.0.0.1",
+            port=c.updater_port,
+            admin_token=self.admin_token,
+            replicas=replicas,
+            **c.updater,
         )
         registry = CollectorRegistry()
-        self.updater = Updater(usettings, RedisStore.connect(store_settings),
-                               metrics=UpdaterMetrics.create(registry))
-        self.say(f"starting {c.replicas} vLLM CPU replicas and bootstrapping generation g0 "
-                 "(about a minute on 2 cores)")
+        self.updater = Updater(
+            usettings, RedisStore.connect(store_settings), metrics=UpdaterMetrics.create(registry)
+        )
+        self.say(
+            f"starting {c.replicas} vLLM CPU replicas and bootstrapping generation g0 "
+            "(about a minute on 2 cores)"
+        )
         t0 = time.monotonic()
         await self.updater.start()
         self.say(f"replicas READY on g0 after {time.monotonic() - t0:.0f}s")
@@ -130,11 +136,15 @@ class EmbeddedPool:
         self.updater_url = f"http://127.0.0.1:{port}"
 
         rsettings = RouterSettings(
-            host="127.0.0.1", port=c.router_port, admin_token=self.admin_token,
-            api_keys=c.api_keys, **c.router,
+            host="127.0.0.1",
+            port=c.router_port,
+            admin_token=self.admin_token,
+            api_keys=c.api_keys,
+            **c.router,
         )
-        runner, port = await start_server(create_router(rsettings, store_settings), "127.0.0.1",
-                                          c.router_port)
+        runner, port = await start_server(
+            create_router(rsettings, store_settings), "127.0.0.1", c.router_port
+        )
         self._runners.append(runner)
         self.router_url = f"http://127.0.0.1:{port}"
         self.say(f"router  {self.router_url}/v1  (OpenAI-compatible; dashboard at /dashboard)")

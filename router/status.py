@@ -164,14 +164,18 @@ def _update_rows(raw: list[str]) -> str:
             continue
         reps = u.get("replicas") or {"-": {}}
         for rid, rep in reps.items():
-            phases = ", ".join(f"{esc(str(k))} {v:.3f}" for k, v in
-                               (rep.get("phases") or {}).items() if isinstance(v, int | float))
+            phases = ", ".join(
+                f"{esc(str(k))} {v:.3f}"
+                for k, v in (rep.get("phases") or {}).items()
+                if isinstance(v, int | float)
+            )
             window = rep.get("window_s")
             out.append(
                 f"<tr><td>{esc(str(u.get('id', '')))}</td><td>{esc(str(u.get('label', '')))}</td>"
                 f'<td class="{esc(str(u.get("state", "")))}">{esc(str(u.get("state", "")))}</td>'
                 f"<td>{esc(str(rid))}</td><td>{esc(str(rep.get('outcome', '-')))}</td>"
-                f"<td>{'-' if window is None else f'{window:.3f}'}</td><td>{phases}</td></tr>")
+                f"<td>{'-' if window is None else f'{window:.3f}'}</td><td>{phases}</td></tr>"
+            )
     return "\n".join(out)
 
 
@@ -198,7 +202,8 @@ async def dashboard(request: web.Request) -> web.Response:
         staleness=request.app[SETTINGS].max_staleness,
         rows=rows,
         updates=_update_rows(updates),
-        generations="\n".join(f"<tr><td>{g}</td><td>{n}</td></tr>"
-                               for g, n in sorted(counts.items(), reverse=True)),
+        generations="\n".join(
+            f"<tr><td>{g}</td><td>{n}</td></tr>" for g, n in sorted(counts.items(), reverse=True)
+        ),
     )
     return web.Response(text=page, content_type="text/html")

@@ -19,6 +19,7 @@ fi
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 
 .venv/bin/ruff check pool router updater rolloutpool bench tests
+.venv/bin/ruff format --check pool router updater rolloutpool bench tests
 .venv/bin/mypy pool router updater rolloutpool
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120

@@ -37,8 +37,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings, store_settings = load(args.config)
     registry = CollectorRegistry()
-    updater = Updater(settings, RedisStore.connect(store_settings),
-                      metrics=UpdaterMetrics.create(registry))
+    updater = Updater(
+        settings, RedisStore.connect(store_settings), metrics=UpdaterMetrics.create(registry)
+    )
     app = create_app(updater, settings, registry)
     start_updater(app)
     web.run_app(app, host=settings.host, port=settings.port, print=None)

@@ -54,14 +54,19 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
-            e.status, "http_error")
+            e.status, "http_error"
+        )
         return _error(e.status, code, e.reason)
     except ValidationError as e:
         details = [{"loc": list(x["loc"]), "msg": x["msg"]} for x in e.errors()]
         return _error(422, "invalid_body", "request body failed validation", details=details)
     except PreflightFailed as e:
-        return _error(422, "preflight_failed", e.message,
-                      **{k: v for k, v in e.context.items() if k != "diff"})
+        return _error(
+            422,
+            "preflight_failed",
+            e.message,
+            **{k: v for k, v in e.context.items() if k != "diff"},
+        )
     except NotFound as e:
         return _error(404, "not_found", e.message)
     except StoreUnavailable as e:
@@ -106,8 +111,9 @@ async def post_update(request: web.Request) -> web.Response:
         return _error(400, "invalid_body", "the body must be a JSON object")
     req = UpdateRequest.model_validate(body)
     rec = await request.app[UPDATER].submit(req)
-    return web.json_response(rec.model_dump(mode="json"), status=202,
-                             headers={"Location": f"/v1/updates/{rec.id}"})
+    return web.json_response(
+        rec.model_dump(mode="json"), status=202, headers={"Location": f"/v1/updates/{rec.id}"}
+    )
 
 
 async def get_update(request: web.Request) -> web.Response:
@@ -147,16 +153,18 @@ async def metrics(request: web.Request) -> web.Response:
         m.pool.observe(await up.store.replicas(), None if latest is None else latest[0].number)
     except StoreUnavailable:
         pass
-    return web.Response(body=generate_latest(request.app[REGISTRY]),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(
+        body=generate_latest(request.app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(document())
 
 
-def create_app(updater: Updater, settings: UpdaterSettings,
-               registry: CollectorRegistry | None = None) -> web.Application:
+def create_app(
+    updater: Updater, settings: UpdaterSettings, registry: CollectorRegistry | None = None
+) -> web.Application:
     """The API around a constructed :class:`Updater`. The caller starts/stops the updater
     (``cleanup_ctx`` does it when ``start_updater`` is used)."""
     app = web.Application(middlewares=[errors, admin_auth(settings)], client_max_size=MAX_BODY)

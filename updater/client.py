@@ -30,8 +30,11 @@ class UpdaterAPIError(RolloutPoolError):
 
     def __init__(self, status: int, body: Any) -> None:
         err = body.get("error", {}) if isinstance(body, dict) else {}
-        super().__init__(f"updater answered {status}: {err.get('message', body)}",
-                         status=status, error_code=err.get("code"))
+        super().__init__(
+            f"updater answered {status}: {err.get('message', body)}",
+            status=status,
+            error_code=err.get("code"),
+        )
         self.status = status
         self.body = body
 
@@ -40,14 +43,17 @@ class UpdateFailed(RolloutPoolError):
     code = "update_failed"
 
     def __init__(self, record: dict[str, Any]) -> None:
-        super().__init__(f"update {record.get('id')} {record.get('state')}: "
-                         f"{record.get('error', '')}", update_id=record.get("id"))
+        super().__init__(
+            f"update {record.get('id')} {record.get('state')}: {record.get('error', '')}",
+            update_id=record.get("id"),
+        )
         self.record = record
 
 
 class UpdaterClient:
-    def __init__(self, base_url: str, admin_token: str | None = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, admin_token: str | None = None, timeout_s: float = 30.0
+    ) -> None:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
 
@@ -100,8 +106,7 @@ class UpdaterClient:
         body = self._json(self._http.get("/v1/updates", params={"limit": limit}))
         return list(body["updates"])
 
-    def wait(self, update_id: str, timeout_s: float = 600.0, poll_s: float = 0.2
-             ) -> dict[str, Any]:
+    def wait(self, update_id: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
         """Poll until the update ends; returns the record if it succeeded."""
         deadline = time.monotonic() + timeout_s
         while True:

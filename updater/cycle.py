@@ -206,8 +206,9 @@ class CycleRunner:
         after = advance(before, event)
         kw: dict[str, Any] = {"reason": reason or after.reason}
         if after.state is S.READY and after.generation is not None:
-            kw.update(generation=after.generation, identity_digest=after.identity or "",
-                      publish=True)
+            kw.update(
+                generation=after.generation, identity_digest=after.identity or "", publish=True
+            )
         if after.state is S.DRAINING and after.target is not None:
             kw.update(target=after.target, target_identity=after.target_identity or "")
         try:
@@ -233,8 +234,9 @@ class CycleRunner:
             await self.store.taint(h.replica_id, reason, source="updater")
             h.lc = replace(h.lc, state=S.TAINTED, reason=reason)
 
-    async def _cancel(self, h: ReplicaHandle, report: CycleReport, step: str,
-                      exc: BaseException, paused: bool) -> CycleError:
+    async def _cancel(
+        self, h: ReplicaHandle, report: CycleReport, step: str, exc: BaseException, paused: bool
+    ) -> CycleError:
         """No mutation happened: resume the engine and return to READY on the old generation."""
         report.reason = f"{step}: {exc}"
         try:
@@ -262,8 +264,12 @@ class CycleRunner:
 
         with timer("preflight"):
             try:
-                await bounded("preflight", self.transport.preflight(h.engine, target),
-                              d.preflight_s, mutating=False)
+                await bounded(
+                    "preflight",
+                    self.transport.preflight(h.engine, target),
+                    d.preflight_s,
+                    mutating=False,
+                )
             except Exception as e:
                 report.outcome, report.reason = "refused", f"preflight: {e}"
                 raise CycleError(report) from e
@@ -307,23 +313,28 @@ class CycleRunner:
         try:
             await self.commit(h, TransferStarted(t.identity.digest))
             with timer("transfer"):
-                ev = await bounded("transfer", self.transport.transfer(h.engine, target),
-                                   d.transfer_s, mutating=True)
+                ev = await bounded(
+                    "transfer",
+                    self.transport.transfer(h.engine, target),
+                    d.transfer_s,
+                    mutating=True,
+                )
                 await self.commit(h, ev)
             step = "invalidate"
             with timer("invalidate"):
-                reset = await bounded("invalidate", h.engine.reset_caches(), d.reset_s,
-                                      mutating=True)
+                reset = await bounded(
+                    "invalidate", h.engine.reset_caches(), d.reset_s, mutating=True
+                )
                 await self.commit(h, reset)
             step = "validate"
             with timer("validate"):
-                valid = await bounded("validate", self.validate(h, t.generation, t.probe),
-                                      d.validate_s, mutating=True)
+                valid = await bounded(
+                    "validate", self.validate(h, t.generation, t.probe), d.validate_s, mutating=True
+                )
                 await self.commit(h, valid)
             step = "resume"
             with timer("resume"):
-                paused = await bounded("resume", h.engine.is_paused(), d.resume_s,
-                                       mutating=True)
+                paused = await bounded("resume", h.engine.is_paused(), d.resume_s, mutating=True)
                 await self.commit(h, ResumeEvidence(200, paused))
         except Exception as e:
             await self._taint(h, step, e)
@@ -344,9 +355,12 @@ class CycleRunner:
             rec = await self.store.replica(h.replica_id)
             if rec.state is S.TAINTED:
                 h.lc = replace(h.lc, state=S.TAINTED, reason=rec.reason)
-                report = CycleReport(h.replica_id, h.lc.target.number if h.lc.target else -1,
-                                     outcome="tainted", reason=f"tainted while draining: "
-                                     f"{rec.reason}")
+                report = CycleReport(
+                    h.replica_id,
+                    h.lc.target.number if h.lc.target else -1,
+                    outcome="tainted",
+                    reason=f"tainted while draining: {rec.reason}",
+                )
                 raise CycleError(report)
             if rec.active == 0:
                 return []
@@ -356,15 +370,18 @@ class CycleRunner:
                 )
             await asyncio.sleep(self.drain_poll_s)
 
-    async def probe_validate(self, h: ReplicaHandle, gen: Generation, probe: Probe
-                             ) -> ValidationEvidence:
+    async def probe_validate(
+        self, h: ReplicaHandle, gen: Generation, probe: Probe
+    ) -> ValidationEvidence:
         """Label, resume (admissions stay closed), probe, read the label back."""
         caps = h.engine.capabilities
         if caps.labels:
             await h.engine.set_label(gen.label)
         await h.engine.resume()
         actual = await h.engine.complete(
-            list(probe.prompt_token_ids), max_tokens=len(probe.expected), temperature=0.0,
+            list(probe.prompt_token_ids),
+            max_tokens=len(probe.expected),
+            temperature=0.0,
             cache_salt=gen.label,
         )
         label = await h.engine.weight_label() if caps.labels else LabelEvidence(False, None)
@@ -392,32 +409,43 @@ class CycleRunner:
         step = "bootstrap"
         try:
             with timer("bootstrap"):
-                caps = await bounded("bootstrap", h.engine.bootstrap(), d.resume_s,
-                                     mutating=False)
+                caps = await bounded("bootstrap", h.engine.bootstrap(), d.resume_s, mutating=False)
             if checkpoint is not None:
-                target = WeightsTarget(identity=identity, path=checkpoint,
-                                      expected_manifest=h.manifest)
+                target = WeightsTarget(
+                    identity=identity, path=checkpoint, expected_manifest=h.manifest
+                )
                 step = "load"
                 with timer("load"):
-                    await bounded("preflight", self.transport.preflight(h.engine, target),
-                                  d.preflight_s, mutating=False)
+                    await bounded(
+                        "preflight",
+                        self.transport.preflight(h.engine, target),
+                        d.preflight_s,
+                        mutating=False,
+                    )
                     await bounded("pause", h.engine.pause("wait"), d.pause_s, mutating=True)
-                    ev = await bounded("transfer", self.transport.transfer(h.engine, target),
-                                       d.transfer_s, mutating=True)
+                    ev = await bounded(
+                        "transfer",
+                        self.transport.transfer(h.engine, target),
+                        d.transfer_s,
+                        mutating=True,
+                    )
                     if not ev.ok:
                         raise LifecycleError(f"transfer failed: {ev.detail}")
             step = "invalidate"
             with timer("invalidate"):
-                reset = await bounded("invalidate", h.engine.reset_caches(), d.reset_s,
-                                      mutating=True)
+                reset = await bounded(
+                    "invalidate", h.engine.reset_caches(), d.reset_s, mutating=True
+                )
                 if not reset.proves_reset:
                     raise LifecycleError(f"cache reset not proven: {reset.detail}")
             step = "validate"
             with timer("validate"):
-                valid = await bounded("validate", self.validate(h, generation, probe),
-                                      d.validate_s, mutating=True)
-            ev_boot = BootstrapEvidence(generation, identity.digest, caps.version, valid,
-                                        completion_ok=True)
+                valid = await bounded(
+                    "validate", self.validate(h, generation, probe), d.validate_s, mutating=True
+                )
+            ev_boot = BootstrapEvidence(
+                generation, identity.digest, caps.version, valid, completion_ok=True
+            )
             step = "commit"
             await self.commit(h, ev_boot)
         except Exception as e:
@@ -431,4 +459,3 @@ class CycleRunner:
     async def start_recovery(self, h: ReplicaHandle, reason: str) -> None:
         """TAINTED -> RECOVERING (the caller then restarts the process and calls bootstrap)."""
         await self.commit(h, RecoveryStarted(reason), reason=reason)
-

@@ -32,9 +32,15 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    text = {400: "bad JSON", 401: "no admin token", 403: "wrong token or admin disabled",
-            404: "unknown update", 409: "state conflict", 422: "validation or preflight failed",
-            503: "Redis unreachable"}
+    text = {
+        400: "bad JSON",
+        401: "no admin token",
+        403: "wrong token or admin disabled",
+        404: "unknown update",
+        409: "state conflict",
+        422: "validation or preflight failed",
+        503: "Redis unreachable",
+    }
     return {str(c): _json(_ref("Error"), text[c]) for c in codes}
 
 
@@ -48,8 +54,11 @@ def document() -> dict[str, Any]:
     obj = {"type": "object"}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "RolloutPool updater", "version": "1",
-                 "description": "Push checkpoints; follow rolling updates."},
+        "info": {
+            "title": "RolloutPool updater",
+            "version": "1",
+            "description": "Push checkpoints; follow rolling updates.",
+        },
         "components": {
             "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -59,41 +68,81 @@ def document() -> dict[str, Any]:
                 "post": {
                     "operationId": "push_update",
                     "security": admin,
-                    "requestBody": {"required": True, "content": {
-                        "application/json": {"schema": _ref("UpdateRequest")}}},
-                    "responses": {"202": _json(_ref("UpdateRecord"), "queued"),
-                                  **_errors(400, 401, 403, 409, 422, 503)},
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("UpdateRequest")}},
+                    },
+                    "responses": {
+                        "202": _json(_ref("UpdateRecord"), "queued"),
+                        **_errors(400, 401, 403, 409, 422, 503),
+                    },
                 },
                 "get": {
                     "operationId": "list_updates",
                     "security": admin,
-                    "parameters": [{"name": "limit", "in": "query", "required": False,
-                                    "schema": {"type": "integer", "minimum": 1,
-                                               "maximum": 1000}}],
-                    "responses": {"200": _json({"type": "object", "properties": {
-                        "updates": {"type": "array", "items": _ref("UpdateRecord")}}},
-                        "newest first"), **_errors(400, 401, 403, 503)},
+                    "parameters": [
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "required": False,
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+                        }
+                    ],
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "updates": {"type": "array", "items": _ref("UpdateRecord")}
+                                },
+                            },
+                            "newest first",
+                        ),
+                        **_errors(400, 401, 403, 503),
+                    },
                 },
             },
             "/v1/updates/{id}": {
                 "get": {
                     "operationId": "get_update",
                     "security": admin,
-                    "parameters": [{"name": "id", "in": "path", "required": True,
-                                    "schema": {"type": "string"}}],
-                    "responses": {"200": _json(_ref("UpdateRecord"), "the update"),
-                                  **_errors(401, 403, 404, 503)},
+                    "parameters": [
+                        {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                    "responses": {
+                        "200": _json(_ref("UpdateRecord"), "the update"),
+                        **_errors(401, 403, 404, 503),
+                    },
                 }
             },
-            "/v1/pool": {"get": {"operationId": "pool", "responses": {
-                "200": _json(obj, "replicas and the published generation"),
-                **_errors(503)}}},
-            "/healthz": {"get": {"operationId": "healthz", "responses": {
-                "200": _json(obj, "serving"), **_errors(503)}}},
-            "/metrics": {"get": {"operationId": "metrics", "responses": {
-                "200": {"description": "Prometheus text",
-                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-            "/openapi.json": {"get": {"operationId": "openapi", "responses": {
-                "200": _json(obj, "this document")}}},
+            "/v1/pool": {
+                "get": {
+                    "operationId": "pool",
+                    "responses": {
+                        "200": _json(obj, "replicas and the published generation"),
+                        **_errors(503),
+                    },
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "operationId": "healthz",
+                    "responses": {"200": _json(obj, "serving"), **_errors(503)},
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {"operationId": "openapi", "responses": {"200": _json(obj, "this document")}}
+            },
         },
     }

@@ -26,7 +26,8 @@ def admitting(records: Sequence[ReplicaRecord], latest: int, max_staleness: int)
     return [
         r.replica_id
         for r in records
-        if r.state is S.READY and r.generation is not None
+        if r.state is S.READY
+        and r.generation is not None
         and r.generation >= latest - max_staleness
     ]
 
@@ -48,8 +49,11 @@ def next_batch(
     if room <= 0:
         return []
     candidates = sorted(
-        (r for r in records
-         if r.state is S.READY and r.generation != target and r.replica_id not in exclude),
+        (
+            r
+            for r in records
+            if r.state is S.READY and r.generation != target and r.replica_id not in exclude
+        ),
         key=lambda r: (r.active, r.replica_id),
     )
     serving = set(admitting(records, latest if latest is not None else -1, max_staleness))

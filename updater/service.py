@@ -57,8 +57,18 @@ from updater.transports.reload import ReloadTransport
 log = logging.getLogger(__name__)
 S = ReplicaState
 #: States only a running cycle may hold; found there with no cycle, a replica is orphaned.
-ORPHANABLE = frozenset({S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
-                        S.RESUMING, S.RECOVERING, S.UNINITIALIZED})
+ORPHANABLE = frozenset(
+    {
+        S.DRAINING,
+        S.QUIESCED,
+        S.UPDATING,
+        S.INVALIDATING,
+        S.VALIDATING,
+        S.RESUMING,
+        S.RECOVERING,
+        S.UNINITIALIZED,
+    }
+)
 
 
 # ---------------------------------------------------------------------- API models
@@ -154,8 +164,9 @@ class Updater:
         self.coalesce = coalesce
         self.lease: UpdaterLease = store.updater_lease(f"updater-{uuid.uuid4().hex[:8]}")
         if transport is None:
-            transport = (NcclTransport(settings.nccl) if settings.transport == "nccl"
-                         else ReloadTransport())
+            transport = (
+                NcclTransport(settings.nccl) if settings.transport == "nccl" else ReloadTransport()
+            )
         self.runner = CycleRunner(
             store,
             self.lease,
@@ -248,12 +259,17 @@ class Updater:
         await first.handle.engine.bootstrap()
         prompt = self.settings.initial_probe_prompt
         expected = await first.handle.engine.complete(
-            list(prompt), max_tokens=self.settings.initial_probe_tokens, temperature=0.0,
+            list(prompt),
+            max_tokens=self.settings.initial_probe_tokens,
+            temperature=0.0,
             cache_salt="g0-probe",
         )
         model = first.config.model.resolve()
-        ident = WeightIdentity(manifest_digest=first.handle.manifest.digest,
-                               checkpoint_uri=str(model), trainer_run="initial")
+        ident = WeightIdentity(
+            manifest_digest=first.handle.manifest.digest,
+            checkpoint_uri=str(model),
+            trainer_run="initial",
+        )
         rec = GenerationRecord(
             generation=Generation(number=0, label=self.settings.initial_label),
             identity=ident,
@@ -279,8 +295,9 @@ class Updater:
             if state is S.UNINITIALIZED:
                 m.handle.lc = Lifecycle()
             else:
-                await self.store.taint(m.id, "updater (re)start: state not trusted",
-                                       source="updater")
+                await self.store.taint(
+                    m.id, "updater (re)start: state not trusted", source="updater"
+                )
                 await self.store.abort_active(m.id, "updater restart")
                 m.handle.lc = Lifecycle(state=S.TAINTED)
                 await self.runner.start_recovery(m.handle, "updater (re)start")
@@ -293,8 +310,9 @@ class Updater:
         started_on = (m.config.launch.model if m.config.launch else m.config.model).resolve()
         checkpoint = None if Path(gen.checkpoint) == started_on else Path(gen.checkpoint)
         probe = Probe(gen.probe_prompt, gen.probe_expected)
-        return await self.runner.bootstrap(m.handle, gen.generation, gen.identity, probe,
-                                           checkpoint)
+        return await self.runner.bootstrap(
+            m.handle, gen.generation, gen.identity, probe, checkpoint
+        )
 
     # ------------------------------------------------------------------ updates
 
@@ -304,9 +322,13 @@ class Updater:
         path = Path(req.checkpoint)
         first = next(iter(self.replicas.values()))
         manifest = await asyncio.to_thread(read_manifest, path)  # PreflightFailed: refused
-        ident = WeightIdentity(manifest_digest=manifest.digest, checkpoint_uri=str(path),
-                               trainer_run=req.trainer_run, step=req.step,
-                               content_hash=req.content_hash)
+        ident = WeightIdentity(
+            manifest_digest=manifest.digest,
+            checkpoint_uri=str(path),
+            trainer_run=req.trainer_run,
+            step=req.step,
+            content_hash=req.content_hash,
+        )
         await self.runner.transport.preflight(
             first.handle.engine, WeightsTarget(ident, path, first.handle.manifest)
         )
@@ -314,8 +336,12 @@ class Updater:
         gen = Generation(number=number, label=req.label or f"g{number}")
         probe = Probe(tuple(req.probe.prompt_token_ids), tuple(req.probe.expected_token_ids))
         rec = UpdateRecord(
-            id=f"up-{uuid.uuid4().hex[:12]}", state=UpdateState.QUEUED, generation=number,
-            label=gen.label, checkpoint=str(path), identity_digest=ident.digest,
+            id=f"up-{uuid.uuid4().hex[:12]}",
+            state=UpdateState.QUEUED,
+            generation=number,
+            label=gen.label,
+            checkpoint=str(path),
+            identity_digest=ident.digest,
             created_ms=_now_ms(),
         )
         self._records[rec.id] = rec
@@ -348,8 +374,11 @@ class Updater:
             uid = await self._queue.get()
             try:
                 rec = self._records[uid]
-                newer = [r for r in self._records.values()
-                         if r.state is UpdateState.QUEUED and r.generation > rec.generation]
+                newer = [
+                    r
+                    for r in self._records.values()
+                    if r.state is UpdateState.QUEUED and r.generation > rec.generation
+                ]
                 if self.coalesce and newer:
                     rec.state, rec.finished_ms = UpdateState.SUPERSEDED, _now_ms()
                     rec.error = f"superseded by g{max(r.generation for r in newer)}"
@@ -370,8 +399,10 @@ class Updater:
         """Roll ``target`` out over the pool (see :mod:`updater.plan`)."""
         s = self.settings
         gen_rec = GenerationRecord(
-            generation=target.generation, identity=target.identity,
-            checkpoint=str(target.path), probe_prompt=target.probe.prompt_token_ids,
+            generation=target.generation,
+            identity=target.identity,
+            checkpoint=str(target.path),
+            probe_prompt=target.probe.prompt_token_ids,
             probe_expected=target.probe.expected,
         )
         await self.store.declare_generation(gen_rec, self.lease.require())
@@ -387,14 +418,18 @@ class Updater:
             if not running and plan.done(records, target.generation.number):
                 break
             # before the generation is published, one replica at a time: it must prove it first
-            batch = [] if (not published and running) else plan.next_batch(
-                records,
-                target.generation.number,
-                None if latest is None else latest[0].number,
-                max_unavailable=s.max_unavailable - len(running),
-                min_serving=s.min_serving,
-                max_staleness=s.max_staleness,
-                exclude=attempted,
+            batch = (
+                []
+                if (not published and running)
+                else plan.next_batch(
+                    records,
+                    target.generation.number,
+                    None if latest is None else latest[0].number,
+                    max_unavailable=s.max_unavailable - len(running),
+                    min_serving=s.min_serving,
+                    max_staleness=s.max_staleness,
+                    exclude=attempted,
+                )
             )
             for rid in batch:
                 attempted.add(rid)
@@ -404,8 +439,9 @@ class Updater:
                     rec.error = "no replica left to update (tainted or refused)"
                     break
                 continue
-            done, _ = await asyncio.wait(running.values(), timeout=0.25,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                running.values(), timeout=0.25, return_when=asyncio.FIRST_COMPLETED
+            )
             for rid, task in list(running.items()):
                 if task not in done:
                     continue
@@ -438,8 +474,9 @@ class Updater:
             except CycleError as e:
                 report = e.report
             except RolloutPoolError as e:  # a lost CAS etc.: nothing more to do on it here
-                report = CycleReport(m.id, target.generation.number, outcome="failed",
-                                     reason=str(e))
+                report = CycleReport(
+                    m.id, target.generation.number, outcome="failed", reason=str(e)
+                )
         if self.metrics is not None:
             for phase, secs in report.phases.items():
                 self.metrics.phase_seconds.labels(phase).observe(secs)
@@ -459,8 +496,11 @@ class Updater:
                 log.warning("supervisor: store unavailable: %s", e)
                 continue
             checks = [self._check(m, records.get(m.id)) for m in self.replicas.values()]
-            for m, res in zip(self.replicas.values(), await asyncio.gather(
-                    *checks, return_exceptions=True), strict=True):
+            for m, res in zip(
+                self.replicas.values(),
+                await asyncio.gather(*checks, return_exceptions=True),
+                strict=True,
+            ):
                 if isinstance(res, Exception):  # e.g. Redis went away mid-check: next round
                     log.warning("supervisor: check of %s failed: %r", m.id, res)
 
@@ -505,8 +545,9 @@ class Updater:
         if not await m.handle.engine.health(timeout_s=self.settings.health_timeout_s):
             m.seen_down = True
         elif m.seen_down:
-            m.recovering = asyncio.create_task(self._recover(m, reason, restart=False),
-                                               name=f"rejoin-{m.id}")
+            m.recovering = asyncio.create_task(
+                self._recover(m, reason, restart=False), name=f"rejoin-{m.id}"
+            )
 
     async def _quarantine(self, m: ManagedReplica, reason: str) -> None:
         """Taint (if not yet) and abort what is bound to it; idempotent."""
@@ -518,8 +559,9 @@ class Updater:
                     self.metrics.taints.labels(m.id).inc()
             aborted = await self.store.abort_active(m.id, f"replica tainted: {reason}")
             if not m.quarantined:
-                log.warning("replica %s tainted (%s); aborted %d rollouts", m.id, reason,
-                            len(aborted))
+                log.warning(
+                    "replica %s tainted (%s); aborted %d rollouts", m.id, reason, len(aborted)
+                )
             m.quarantined, m.seen_down = True, False
 
     async def _orphaned(self, m: ManagedReplica, reason: str) -> None:

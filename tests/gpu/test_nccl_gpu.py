@@ -27,9 +27,26 @@ def run_phases(phases: str, tmp_path: Path, *extra: str, timeout: int = 900) -> 
     out = Path(os.environ.get("OUT", tmp_path)) / f"gpu_{phases.replace(',', '')}.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", NCCL_NVLS_ENABLE="0")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_update", "--phases", phases, "--model", MODEL,
-         "--out", str(out), "--work", str(tmp_path / "work"), *extra],
-        cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_update",
+            "--phases",
+            phases,
+            "--model",
+            MODEL,
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     res: dict[str, Any] = json.loads(out.read_text())
     assert "fatal" not in res, res.get("traceback")

@@ -49,8 +49,7 @@ def target(g: int, path: Path | None = None, expected: int | None = None) -> Upd
         manifest_digest=read_manifest(path).digest, checkpoint_uri=str(path), step=g
     )
     tok = marker_token(g if expected is None else expected)
-    return UpdateTarget(Generation(number=g, label=f"g{g}"), ident, path,
-                        Probe(PROMPT, (tok,) * 4))
+    return UpdateTarget(Generation(number=g, label=f"g{g}"), ident, path, Probe(PROMPT, (tok,) * 4))
 
 
 @dataclass
@@ -66,8 +65,9 @@ class Pool:
 async def pool(redis_server, tmp_path_factory) -> AsyncIterator[Pool]:  # type: ignore[no-untyped-def]
     from pool.settings import StoreSettings
 
-    spec = ReplicaSpec(model=marker_dir(0), name="cycle", cpu_bind="1",
-                       work_dir=tmp_path_factory.mktemp("cycle"))
+    spec = ReplicaSpec(
+        model=marker_dir(0), name="cycle", cpu_bind="1", work_dir=tmp_path_factory.mktemp("cycle")
+    )
     replica = LocalReplica(spec)
     await replica.start()
     store = RedisStore.connect(StoreSettings(url=redis_server.url, namespace="cycle"))
@@ -97,8 +97,11 @@ async def serve(
     adm = await p.store.admit(rollout, "r0")
     try:
         out = await p.handle.engine.complete(
-            list(PROMPT), max_tokens=max_tokens, temperature=temperature,
-            cache_salt=adm.label, timeout_s=120,
+            list(PROMPT),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            cache_salt=adm.label,
+            timeout_s=120,
         )
     except BaseException:
         await p.store.release(rollout, "r0", BindingState.ABORTED, reason="error")
@@ -118,8 +121,9 @@ async def test_full_cycle_with_a_live_rollout(pool: Pool) -> None:
         adm = await p.store.admit("live-256", "r0")
         while (await p.store.replica("r0")).state is S.READY:
             await asyncio.sleep(0.005)
-        out = await p.handle.engine.complete(list(PROMPT), max_tokens=256, temperature=1.0,
-                                             cache_salt=adm.label, timeout_s=120)
+        out = await p.handle.engine.complete(
+            list(PROMPT), max_tokens=256, temperature=1.0, cache_salt=adm.label, timeout_s=120
+        )
         await p.store.release("live-256", "r0", completion_tokens=len(out))
         return out
 
@@ -134,8 +138,15 @@ async def test_full_cycle_with_a_live_rollout(pool: Pool) -> None:
     assert report.outcome == "ready" and p.handle.lc.state is S.READY
     assert tokens == (marker_token(0),) * 256, "the live rollout must finish on g0 alone"
     assert report.window_s is not None and report.phases["drain"] > 0.05
-    assert set(report.phases) >= {"preflight", "drain", "pause", "transfer", "invalidate",
-                                  "validate", "resume"}
+    assert set(report.phases) >= {
+        "preflight",
+        "drain",
+        "pause",
+        "transfer",
+        "invalidate",
+        "validate",
+        "resume",
+    }
     rec = await p.store.replica("r0")
     assert (rec.state, rec.generation, rec.label) == (S.READY, 1, "g1")
     assert (await p.store.latest())[0] == Generation(number=1, label="g1")  # type: ignore[index]
@@ -151,8 +162,15 @@ async def test_full_cycle_with_a_live_rollout(pool: Pool) -> None:
     draining, updating = at("transition", "to", "DRAINING"), at("transition", "to", "UPDATING")
     assert admit < draining < release < updating, "drain must wait for the live rollout"
     states = [e.fields["to"] for e in entries[draining:] if e.type == "transition"]
-    assert states == ["DRAINING", "QUIESCED", "UPDATING", "INVALIDATING", "VALIDATING",
-                      "RESUMING", "READY"]
+    assert states == [
+        "DRAINING",
+        "QUIESCED",
+        "UPDATING",
+        "INVALIDATING",
+        "VALIDATING",
+        "RESUMING",
+        "READY",
+    ]
     assert await serve(p, "after", 8) == (marker_token(1),) * 8
     print(f"cycle phases: {report.to_dict()} total {took:.2f}s")
 
@@ -167,10 +185,14 @@ async def test_bad_checkpoint_is_refused_before_any_mutation(pool: Pool, tmp_pat
     bad = [
         UpdateTarget(missing.generation, missing.identity, tmp_path / "missing", missing.probe),
         target(g, path=wide),
-        UpdateTarget(Generation(number=g, label=f"g{g}"),
-                     WeightIdentity(manifest_digest="sha256:other",
-                                    checkpoint_uri=str(marker_dir(g)), step=g),
-                     marker_dir(g), Probe(PROMPT, (1,))),
+        UpdateTarget(
+            Generation(number=g, label=f"g{g}"),
+            WeightIdentity(
+                manifest_digest="sha256:other", checkpoint_uri=str(marker_dir(g)), step=g
+            ),
+            marker_dir(g),
+            Probe(PROMPT, (1,)),
+        ),
     ]
     for t in bad:
         with pytest.raises(CycleError) as e:
@@ -210,8 +232,9 @@ async def test_stuck_transfer_taints_within_deadline_then_recovers(pool: Pool) -
     await p.runner.start_recovery(p.handle, "restart after stuck transfer")
     await p.replica.restart()
     latest = target(cur.number)
-    report = await p.runner.bootstrap(p.handle, latest.generation, latest.identity,
-                                      latest.probe, checkpoint=latest.path)
+    report = await p.runner.bootstrap(
+        p.handle, latest.generation, latest.identity, latest.probe, checkpoint=latest.path
+    )
     assert report.outcome == "ready"
     rec = await p.store.replica("r0")
     assert (rec.state, rec.generation) == (S.READY, cur.number)
@@ -226,8 +249,9 @@ async def test_abort_policy_ends_a_stuck_drain_and_records_it(pool: Pool) -> Non
     assert cur is not None
     g = cur.number + 1
     await p.store.admit("held-open", "r0", session=True)  # a session nobody closes
-    runner = CycleRunner(p.store, p.lease, ReloadTransport(), drain_policy=DrainPolicy.ABORT,
-                         drain_timeout_s=1.0)
+    runner = CycleRunner(
+        p.store, p.lease, ReloadTransport(), drain_policy=DrainPolicy.ABORT, drain_timeout_s=1.0
+    )
     t0 = time.monotonic()
     report = await runner.run(p.handle, target(g))
     assert report.outcome == "ready" and report.aborted_rollouts == ["held-open"]
@@ -249,4 +273,3 @@ async def test_failed_validation_taints_and_never_publishes(pool: Pool) -> None:
     assert (await p.store.latest())[0].number == cur.number  # type: ignore[index]
     with pytest.raises(AdmissionRefused):
         await p.store.admit("nope", "r0")
-

@@ -20,35 +20,65 @@ from updater.service import UpdateRecord, UpdateState
 
 pytestmark = pytest.mark.integration
 S = ReplicaState
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def chromium(url: str, profile: Path, *extra: str) -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     assert exe, "chromium is not installed (scripts/test.sh installs Debian's chromium)"
-    out = subprocess.run([exe, *FLAGS, f"--user-data-dir={profile}", *extra, url],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [exe, *FLAGS, f"--user-data-dir={profile}", *extra, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
 
-async def test_dashboard_in_headless_chromium(store_settings: StoreSettings,
-                                              tmp_path: Path) -> None:
+async def test_dashboard_in_headless_chromium(
+    store_settings: StoreSettings, tmp_path: Path
+) -> None:
     store = RedisStore.connect(store_settings)
     token = await store.updater_lease().acquire()
     for rid in ("replica-0", "replica-1"):
         await store.register_replica(rid, f"http://{rid}", token, capacity=8)
-        await store.transition(rid, token, S.UNINITIALIZED, S.READY,
-                               generation=Generation(number=3, label="step-300"), publish=True)
+        await store.transition(
+            rid,
+            token,
+            S.UNINITIALIZED,
+            S.READY,
+            generation=Generation(number=3, label="step-300"),
+            publish=True,
+        )
     await store.admit("ro-1", "replica-0")
     await store.admit("ro-2", "replica-0")
     await store.taint("replica-1", "health check failed", source="test")
-    rec = UpdateRecord(id="up-abc", state=UpdateState.SUCCEEDED, generation=3,
-                       label="step-300", checkpoint="/ckpt/300", identity_digest="wid:x",
-                       created_ms=1, replicas={"replica-0": {
-                           "outcome": "ready", "window_s": 0.0812,
-                           "phases": {"drain": 0.5, "transfer": 0.031, "validate": 0.04}}})
+    rec = UpdateRecord(
+        id="up-abc",
+        state=UpdateState.SUCCEEDED,
+        generation=3,
+        label="step-300",
+        checkpoint="/ckpt/300",
+        identity_digest="wid:x",
+        created_ms=1,
+        replicas={
+            "replica-0": {
+                "outcome": "ready",
+                "window_s": 0.0812,
+                "phases": {"drain": 0.5, "transfer": 0.031, "validate": 0.04},
+            }
+        },
+    )
     await store.save_update(rec.id, rec.created_ms, rec.model_dump_json())
 
     runner, port = await start_server(create_app(RouterSettings(), store_settings))
@@ -56,8 +86,9 @@ async def test_dashboard_in_headless_chromium(store_settings: StoreSettings,
         url = f"http://127.0.0.1:{port}/dashboard"
         dom = await asyncio.to_thread(chromium, url, tmp_path / "p1", "--dump-dom")
         shot = tmp_path / "dashboard.png"
-        await asyncio.to_thread(chromium, url, tmp_path / "p2", f"--screenshot={shot}",
-                                "--window-size=1100,900")
+        await asyncio.to_thread(
+            chromium, url, tmp_path / "p2", f"--screenshot={shot}", "--window-size=1100,900"
+        )
     finally:
         await runner.cleanup()
         await store.close()

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(1200)
 async def test_rolling_updates_never_cross_generations(tmp_path: Path) -> None:
-    p = Params(rollouts=150, generations=2, concurrency=4, steady_s=3.0, gap_s=1.0,
-               transfer_deadline_s=3.0)
+    p = Params(
+        rollouts=150, generations=2, concurrency=4, steady_s=3.0, gap_s=1.0, transfer_deadline_s=3.0
+    )
     r = await scenario(p, tmp_path)
     assert r["rollouts"] >= 150 and r["rollouts_by_kind"]["session"] > 0
     assert r["updates"] >= 2

@@ -38,8 +38,9 @@ BAD_CASES = {
 
 @pytest.fixture(scope="module")
 def ckpts(tiny_models: TinyModels) -> Checkpoints:
-    return Checkpoints(a=tiny_models.a, b=tiny_models.b, wide=tiny_models.wide,
-                       bf16=tiny_models.bf16)
+    return Checkpoints(
+        a=tiny_models.a, b=tiny_models.b, wide=tiny_models.wide, bf16=tiny_models.bf16
+    )
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -63,10 +64,12 @@ async def result(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
     x, r = servers
-    out = await run_scenario(x, r, ckpts, redis_server.url,
-                             scratch=tmp_path_factory.mktemp("stale-scratch"))
-    print(f"stale-cache scenario: unsafe={out['unsafe']} pool={out['pool']} "
-          f"timings={out['timings']}")
+    out = await run_scenario(
+        x, r, ckpts, redis_server.url, scratch=tmp_path_factory.mktemp("stale-scratch")
+    )
+    print(
+        f"stale-cache scenario: unsafe={out['unsafe']} pool={out['pool']} timings={out['timings']}"
+    )
     return out
 
 
@@ -93,8 +96,15 @@ async def test_pool_cycle_serves_no_stale_cache(result: dict[str, Any]) -> None:
     assert p["matches_reference"] is True and p["matches_reference_unsalted"] is True, p
     assert p["fresh_hits_after"] == 256 and p["fresh_repeat_matches_reference"] is True
     phases = result["timings"]["cycle"]["phases"]
-    assert set(phases) >= {"preflight", "drain", "pause", "transfer", "invalidate", "validate",
-                           "resume"}
+    assert set(phases) >= {
+        "preflight",
+        "drain",
+        "pause",
+        "transfer",
+        "invalidate",
+        "validate",
+        "resume",
+    }
 
 
 async def test_bad_checkpoints_refused_without_poisoning(result: dict[str, Any]) -> None:

@@ -50,13 +50,25 @@ class Env:
 async def env(redis_server, tmp_path_factory) -> AsyncIterator[Env]:  # type: ignore[no-untyped-def]
     base = ensure_model("marker", token_id=marker_token(0))
     replicas = [
-        ReplicaConfig(id=f"r{i}", model=base, launch=ReplicaSpec(
-            model=base, name=f"up-r{i}", cpu_bind=str(i),
-            work_dir=tmp_path_factory.mktemp(f"up-r{i}")))
+        ReplicaConfig(
+            id=f"r{i}",
+            model=base,
+            launch=ReplicaSpec(
+                model=base,
+                name=f"up-r{i}",
+                cpu_bind=str(i),
+                work_dir=tmp_path_factory.mktemp(f"up-r{i}"),
+            ),
+        )
         for i in range(2)
     ]
-    settings = UpdaterSettings(admin_token=TOKEN, replicas=replicas, health_interval_s=0.5,
-                               health_failures=2, health_timeout_s=1.0)
+    settings = UpdaterSettings(
+        admin_token=TOKEN,
+        replicas=replicas,
+        health_interval_s=0.5,
+        health_failures=2,
+        health_timeout_s=1.0,
+    )
     store_settings = StoreSettings(url=redis_server.url, namespace="updater-it")
     store = RedisStore.connect(store_settings)
     updater = Updater(settings, store)
@@ -123,16 +135,20 @@ async def test_rolling_update_keeps_one_replica_admitting(env: Env) -> None:
 async def test_push_is_checked_before_queueing(env: Env) -> None:
     wide = str(ensure_model("random", seed=1, intermediate_size=512))
     async with httpx.AsyncClient(base_url=env.url) as http:
-        body = {"checkpoint": marker(2), "probe": {"prompt_token_ids": [1],
-                                                   "expected_token_ids": [2]}}
+        body = {
+            "checkpoint": marker(2),
+            "probe": {"prompt_token_ids": [1], "expected_token_ids": [2]},
+        }
         assert (await http.post("/v1/updates", json=body)).status_code == 401
         r = await http.post("/v1/updates", json=body, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 403
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        for bad, code in [({**body, "checkpoint": "/nonexistent/ckpt"}, "preflight_failed"),
-                          ({**body, "checkpoint": wide}, "preflight_failed"),
-                          ({**body, "checkpoint": "relative/path"}, "invalid_body"),
-                          ({"checkpoint": marker(2)}, "invalid_body")]:
+        for bad, code in [
+            ({**body, "checkpoint": "/nonexistent/ckpt"}, "preflight_failed"),
+            ({**body, "checkpoint": wide}, "preflight_failed"),
+            ({**body, "checkpoint": "relative/path"}, "invalid_body"),
+            ({"checkpoint": marker(2)}, "invalid_body"),
+        ]:
             r = await http.post("/v1/updates", json=bad, headers=auth)
             assert r.status_code == 422, r.text
             assert r.json()["error"]["code"] == code

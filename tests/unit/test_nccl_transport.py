@@ -122,8 +122,9 @@ class FakeServer:
     """vLLM 0.26 dev routes at the HTTP seam, with the real blocking: init waits for the
     trainer's join, update waits for the data (or forever when the sender hangs)."""
 
-    def __init__(self, version: str = "0.26.0", paused: bool = True,
-                 fail: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, version: str = "0.26.0", paused: bool = True, fail: dict[str, int] | None = None
+    ) -> None:
         self.version, self.paused, self.fail = version, paused, fail or {}
         self.requests: list[tuple[str, str, Any]] = []
         self.init_seen, self.update_seen = threading.Event(), threading.Event()
@@ -163,18 +164,32 @@ class FakeServer:
         return httpx.Response(200, json={"message": "ok"})
 
 
-def make(server: FakeServer, source: WeightSource | None = None, *, hang: bool = False,
-         local: str = "0.26.0", **cfg: Any) -> tuple[NcclTransport, VllmEngine, FakeSender]:
+def make(
+    server: FakeServer,
+    source: WeightSource | None = None,
+    *,
+    hang: bool = False,
+    local: str = "0.26.0",
+    **cfg: Any,
+) -> tuple[NcclTransport, VllmEngine, FakeSender]:
     mock = httpx.MockTransport(server)
     sender = FakeSender(server, hang=hang)
-    transport = NcclTransport(NcclConfig(**cfg), SpecSource() if source is None else source,
-                              sender_impl=sender, http_transport=mock, local_version=local)
+    transport = NcclTransport(
+        NcclConfig(**cfg),
+        SpecSource() if source is None else source,
+        sender_impl=sender,
+        http_transport=mock,
+        local_version=local,
+    )
     engine = VllmEngine("http://replica.test", timeout=5.0, transport=mock)
     return transport, engine, sender
 
 
-def target(specs: list[TensorSpec] | None = None, path: Path = Path("/in-process"),
-           digest: str | None = None) -> WeightsTarget:
+def target(
+    specs: list[TensorSpec] | None = None,
+    path: Path = Path("/in-process"),
+    digest: str | None = None,
+) -> WeightsTarget:
     m = Manifest.of(SPECS if specs is None else specs)
     ident = WeightIdentity(manifest_digest=digest or m.digest, checkpoint_uri=str(path), step=1)
     return WeightsTarget(identity=ident, path=path, expected_manifest=Manifest.of(SPECS))
@@ -184,9 +199,11 @@ def target(specs: list[TensorSpec] | None = None, path: Path = Path("/in-process
 
 
 def test_module_imports_without_torch_or_vllm() -> None:
-    code = ("import sys, updater.transports.nccl; "
-            "bad = [m for m in ('torch', 'vllm', 'safetensors.torch') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, updater.transports.nccl; "
+        "bad = [m for m in ('torch', 'vllm', 'safetensors.torch') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -218,11 +235,17 @@ def test_config_validation_and_ports() -> None:
         c.port_for("http://a:8000", 0, c.max_incarnations)
     with pytest.raises(ValueError, match="out of range"):
         NcclConfig(master_port=65530, port_stride=100).port_for("http://a", 0, 1)
-    for bad in ({"master_port": 80}, {"master_address": ""}, {"device": "cpu"},
-                {"replica_ports": {"http://a": 30000, "http://b": 30000}},
-                {"replica_ports": {"http://a": 99}}, {"init_timeout_s": 0},
-                {"packing": {"buffer_bytes": 0}}, {"packing": {"num_buffers": 0}},
-                {"unknown": 1}):
+    for bad in (
+        {"master_port": 80},
+        {"master_address": ""},
+        {"device": "cpu"},
+        {"replica_ports": {"http://a": 30000, "http://b": 30000}},
+        {"replica_ports": {"http://a": 99}},
+        {"init_timeout_s": 0},
+        {"packing": {"buffer_bytes": 0}},
+        {"packing": {"num_buffers": 0}},
+        {"unknown": 1},
+    ):
         with pytest.raises(ValidationError):
             NcclConfig(**bad)
 
@@ -243,8 +266,10 @@ def test_module_source_reads_named_parameters() -> None:
             return params
 
     src = ModuleSource(Module())
-    assert src.specs() == [TensorSpec(name="a.weight", shape=(4, 2), dtype="bfloat16"),
-                           TensorSpec(name="b.bias", shape=(4,), dtype="float32")]
+    assert src.specs() == [
+        TensorSpec(name="a.weight", shape=(4, 2), dtype="bfloat16"),
+        TensorSpec(name="b.bias", shape=(4,), dtype="float32"),
+    ]
     assert src.nbytes() == 4 * 2 * 2 + 4 * 4
     assert [n for n, t in src if t.detached] == ["a.weight", "b.bias"]
     assert ModuleSource(lambda: params).specs() == src.specs()
@@ -267,30 +292,55 @@ def write_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> 
 def test_checkpoint_source_order_and_service_mode_refusals(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    write_safetensors(ckpt / "model.safetensors", [
-        ("model.embed_tokens.weight", "BF16", [64, 8]),
-        ("model.layers.0.self_attn.q_proj.weight", "BF16", [8, 8]),
-        ("model.norm.weight", "BF16", [8])])
+    write_safetensors(
+        ckpt / "model.safetensors",
+        [
+            ("model.embed_tokens.weight", "BF16", [64, 8]),
+            ("model.layers.0.self_attn.q_proj.weight", "BF16", [8, 8]),
+            ("model.norm.weight", "BF16", [8]),
+        ],
+    )
     src = CheckpointSource(ckpt)
     assert [s.name for s in src.specs()] == [s.name for s in SPECS]  # file (offset) order
     assert src.manifest() == read_manifest(ckpt) == Manifest.of(SPECS)
-    assert src.spec() == SourceSpec("updater.transports.nccl:CheckpointSource",
-                                    (("path", str(ckpt)), ("device", "cuda:0")))
+    assert src.spec() == SourceSpec(
+        "updater.transports.nccl:CheckpointSource", (("path", str(ckpt)), ("device", "cuda:0"))
+    )
 
     server = FakeServer()
     transport, _engine, _ = make(server, local="0.26.0")
     transport.source = None  # service mode: the target's checkpoint
-    ok = WeightsTarget(identity=WeightIdentity(manifest_digest=Manifest.of(SPECS).digest,
-                                               checkpoint_uri=str(ckpt)),
-                       path=ckpt, expected_manifest=Manifest.of(SPECS))
+    ok = WeightsTarget(
+        identity=WeightIdentity(
+            manifest_digest=Manifest.of(SPECS).digest, checkpoint_uri=str(ckpt)
+        ),
+        path=ckpt,
+        expected_manifest=Manifest.of(SPECS),
+    )
     assert transport._check_manifest(ok)[1] == src.specs()
     for bad, match in [
-        (WeightsTarget(identity=ok.identity, path=tmp_path / "missing",
-                       expected_manifest=ok.expected_manifest), "does not exist"),
-        (WeightsTarget(identity=ok.identity, path=Path("rel"),
-                       expected_manifest=ok.expected_manifest), "absolute"),
-        (WeightsTarget(identity=ok.identity.model_copy(update={"checkpoint_uri": "/other"}),
-                       path=ckpt, expected_manifest=ok.expected_manifest), "checkpoint_uri"),
+        (
+            WeightsTarget(
+                identity=ok.identity,
+                path=tmp_path / "missing",
+                expected_manifest=ok.expected_manifest,
+            ),
+            "does not exist",
+        ),
+        (
+            WeightsTarget(
+                identity=ok.identity, path=Path("rel"), expected_manifest=ok.expected_manifest
+            ),
+            "absolute",
+        ),
+        (
+            WeightsTarget(
+                identity=ok.identity.model_copy(update={"checkpoint_uri": "/other"}),
+                path=ckpt,
+                expected_manifest=ok.expected_manifest,
+            ),
+            "checkpoint_uri",
+        ),
     ]:
         with pytest.raises(PreflightFailed, match=match):
             transport._check_manifest(bad)
@@ -300,15 +350,18 @@ def test_checkpoint_source_order_and_service_mode_refusals(tmp_path: Path) -> No
 # ------------------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("specs", [
-    [*SPECS[:2], TensorSpec(name="model.norm.weight", shape=(9,), dtype="bfloat16")],
-    [*SPECS[:2], TensorSpec(name="model.norm.weight", shape=(8,), dtype="float32")],
-    SPECS[:2],
-    [*SPECS, TensorSpec(name="lm_head.weight", shape=(64, 8), dtype="bfloat16")],
-    [*SPECS, SPECS[0]],
-], ids=["shape", "dtype", "missing", "extra", "duplicate"])
-async def test_manifest_mismatch_is_refused_before_any_http_call(specs: list[TensorSpec]
-                                                                 ) -> None:
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [*SPECS[:2], TensorSpec(name="model.norm.weight", shape=(9,), dtype="bfloat16")],
+        [*SPECS[:2], TensorSpec(name="model.norm.weight", shape=(8,), dtype="float32")],
+        SPECS[:2],
+        [*SPECS, TensorSpec(name="lm_head.weight", shape=(64, 8), dtype="bfloat16")],
+        [*SPECS, SPECS[0]],
+    ],
+    ids=["shape", "dtype", "missing", "extra", "duplicate"],
+)
+async def test_manifest_mismatch_is_refused_before_any_http_call(specs: list[TensorSpec]) -> None:
     server = FakeServer()
     transport, engine, sender = make(server, SpecSource(specs))
     with pytest.raises(PreflightFailed):
@@ -356,8 +409,11 @@ async def test_refused_group_init_is_no_mutation_and_moves_the_port() -> None:
     assert server.body("/init_weight_transfer_engine")["init_info"]["master_port"] == 30000
     server.fail.clear()
     await transport.transfer(engine, target())
-    ports = [b["init_info"]["master_port"] for _, p, b in server.requests
-             if p == "/init_weight_transfer_engine"]
+    ports = [
+        b["init_info"]["master_port"]
+        for _, p, b in server.requests
+        if p == "/init_weight_transfer_engine"
+    ]
     assert ports == [30000, 30010]
     await engine.aclose()
 
@@ -368,23 +424,40 @@ async def test_refused_group_init_is_no_mutation_and_moves_the_port() -> None:
 async def test_static_handshake_order_bodies_and_group_reuse() -> None:
     server = FakeServer()
     transport, engine, sender = make(
-        server, master_address="10.0.0.5", master_port=30100,
-        packing=Packing(buffer_bytes=256 << 20, num_buffers=4))
+        server,
+        master_address="10.0.0.5",
+        master_port=30100,
+        packing=Packing(buffer_bytes=256 << 20, num_buffers=4),
+    )
     await transport.preflight(engine, target())
     assert server.paths() == ["GET /version", "GET /v1/models"]  # read-only
     ev = await transport.transfer(engine, target())
     assert ev.ok and ev.transport == "nccl" and ev.bytes == NBYTES
     assert ev.identity_digest == target().identity.digest
     assert server.paths()[2:] == [
-        "GET /is_paused", "GET /get_world_size", "POST /init_weight_transfer_engine",
-        "POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update"]
+        "GET /is_paused",
+        "GET /get_world_size",
+        "POST /init_weight_transfer_engine",
+        "POST /start_weight_update",
+        "POST /update_weights",
+        "POST /finish_weight_update",
+    ]
     init = server.body("/init_weight_transfer_engine")["init_info"]
-    assert init == {"master_address": "10.0.0.5", "master_port": 30100, "rank_offset": 1,
-                    "world_size": 2}
+    assert init == {
+        "master_address": "10.0.0.5",
+        "master_port": 30100,
+        "rank_offset": 1,
+        "world_size": 2,
+    }
     upd = server.body("/update_weights")["update_info"]
-    assert upd == {"names": [s.name for s in SPECS], "dtype_names": ["bfloat16"] * 3,
-                   "shapes": [[64, 8], [8, 8], [8]], "packed": True,
-                   "packed_buffer_size_bytes": 256 << 20, "packed_num_buffers": 4}
+    assert upd == {
+        "names": [s.name for s in SPECS],
+        "dtype_names": ["bfloat16"] * 3,
+        "shapes": [[64, 8], [8, 8], [8]],
+        "packed": True,
+        "packed_buffer_size_bytes": 256 << 20,
+        "packed_num_buffers": 4,
+    }
     key = "http://replica.test#0"
     assert sender.calls[0] == ("static_init", (key, "10.0.0.5", 30100, 2))
     assert sender.calls[1][0] == "static_send" and sender.calls[1][1][0] == key
@@ -425,8 +498,7 @@ async def test_stuck_collective_is_bounded_by_the_watchdog_and_abandoned() -> No
     fresh = FakeServer()
     transport._http_transport = httpx.MockTransport(fresh)
     sender.server = fresh
-    engine2 = VllmEngine("http://replica.test", timeout=5.0,
-                         transport=httpx.MockTransport(fresh))
+    engine2 = VllmEngine("http://replica.test", timeout=5.0, transport=httpx.MockTransport(fresh))
     await transport.transfer(engine2, target())
     assert fresh.body("/init_weight_transfer_engine")["init_info"]["master_port"] == 30207
     server.release.set()
@@ -455,8 +527,11 @@ async def test_forget_abandons_the_group() -> None:
     server.update_seen.clear()
     server.data_sent.clear()
     await transport.transfer(engine, target())
-    ports = [b["init_info"]["master_port"] for _, p, b in server.requests
-             if p == "/init_weight_transfer_engine"]
+    ports = [
+        b["init_info"]["master_port"]
+        for _, p, b in server.requests
+        if p == "/init_weight_transfer_engine"
+    ]
     assert ports == [30300, 30305]
     await engine.aclose()
 
@@ -468,8 +543,13 @@ async def test_factory_api_for_028_and_later() -> None:
     assert ev.ok and json.loads(ev.detail)["family"] == "factory"
     assert sender.ops() == ["factory_init", "factory_send"]
     key, addr, port, ws, packing, client = sender.calls[0][1]
-    assert (key, addr, port, ws, packing) == ("http://replica.test#0", "127.0.0.1", 30400, 2,
-                                              transport.packing)
+    assert (key, addr, port, ws, packing) == (
+        "http://replica.test#0",
+        "127.0.0.1",
+        30400,
+        2,
+        transport.packing,
+    )
     assert isinstance(client, HttpWeightSyncClient) and client.base_url == "http://replica.test"
     # vLLM's engine drives start/update/finish through the client: the transport sends none
     assert not {"POST /start_weight_update", "POST /update_weights"} & set(server.paths())
@@ -477,8 +557,13 @@ async def test_factory_api_for_028_and_later() -> None:
     await transport.transfer(engine, target())
     transport.packing = Packing(buffer_bytes=512 << 20)
     await transport.transfer(engine, target())
-    assert sender.ops() == ["factory_init", "factory_send", "factory_send", "factory_init",
-                            "factory_send"]
+    assert sender.ops() == [
+        "factory_init",
+        "factory_send",
+        "factory_send",
+        "factory_init",
+        "factory_send",
+    ]
     assert sender.abandoned == ["http://replica.test#0"]
     await engine.aclose()
 
@@ -505,10 +590,13 @@ def test_http_sync_client_routes_and_errors() -> None:
     with pytest.raises(HttpStepError) as e:
         c.finish_weight_update("v1")
     assert e.value.refused
-    assert seen == [("/init_weight_transfer_engine", {"init_info": {"master_port": 1}}),
-                    ("/start_weight_update", None), ("/finish_weight_update", None),
-                    ("/update_weights", {"update_info": {"names": []}}),
-                    ("/finish_weight_update", {"weight_version": "v1"})]
+    assert seen == [
+        ("/init_weight_transfer_engine", {"init_info": {"master_port": 1}}),
+        ("/start_weight_update", None),
+        ("/finish_weight_update", None),
+        ("/update_weights", {"update_info": {"names": []}}),
+        ("/finish_weight_update", {"weight_version": "v1"}),
+    ]
 
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)

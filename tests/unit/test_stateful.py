@@ -118,8 +118,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.token = self.run(self.lease.acquire())
         for rid in REPLICAS:
             self.run(self.store.register_replica(rid, f"http://{rid}", self.token, capacity=3))
-            assert self.commit(rid, BootstrapEvidence(self.gen(0), ident(0), "0.32.0",
-                                                      completion_ok=True))
+            assert self.commit(
+                rid, BootstrapEvidence(self.gen(0), ident(0), "0.32.0", completion_ok=True)
+            )
 
     # ------------------------------------------------------------------ data plane
 
@@ -156,8 +157,10 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(rid=st.sampled_from(REPLICAS))
     def request_update(self, rid: str) -> None:
         n = self.latest + 1
-        rec = GenerationRecord(generation=self.gen(n), identity=WeightIdentity(
-            manifest_digest="sha256:m", checkpoint_uri=f"/c/{n}", step=n))
+        rec = GenerationRecord(
+            generation=self.gen(n),
+            identity=WeightIdentity(manifest_digest="sha256:m", checkpoint_uri=f"/c/{n}", step=n),
+        )
         self.run(self.store.declare_generation(rec, self.token))
         if self.commit(rid, DrainRequested(self.gen(n), ident(n))):
             self.proofs[rid] = set()
@@ -191,8 +194,7 @@ class PoolMachine(RuleBasedStateMachine):
     def validate(self, rid: str, match: bool, label_ok: bool) -> None:
         target = self.lc[rid].target or self.gen(0)
         label = target.label if label_ok else "wrong"
-        ev = ValidationEvidence(target, LabelEvidence(True, label), PROBE,
-                                PROBE if match else (0,))
+        ev = ValidationEvidence(target, LabelEvidence(True, label), PROBE, PROBE if match else (0,))
         if self.commit(rid, ev):
             self.proofs[rid].add("validate")
 

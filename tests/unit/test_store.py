@@ -96,8 +96,13 @@ async def test_staleness_after_publish(store: RedisStore) -> None:
     await ready_replica(store, token, "r1")
     await store.declare_generation(GenerationRecord(generation=G1, identity=ident(1)), token)
     await store.begin_drain("r1", token, G1, "id1")
-    for a, b in [(S.DRAINING, S.QUIESCED), (S.QUIESCED, S.UPDATING), (S.UPDATING, S.INVALIDATING),
-                 (S.INVALIDATING, S.VALIDATING), (S.VALIDATING, S.RESUMING)]:
+    for a, b in [
+        (S.DRAINING, S.QUIESCED),
+        (S.QUIESCED, S.UPDATING),
+        (S.UPDATING, S.INVALIDATING),
+        (S.INVALIDATING, S.VALIDATING),
+        (S.VALIDATING, S.RESUMING),
+    ]:
         await store.transition("r1", token, a, b)
     await store.admit("before", "r0")  # g0 still latest
     await store.transition(
@@ -267,8 +272,7 @@ async def test_acl_user_and_bindings_survive_a_restart(tmp_path) -> None:  # typ
     from pool.redis_server import RedisServer
 
     server = RedisServer(tmp_path, username="pool", password="pw-123").start()
-    settings = StoreSettings(url=server.url, username="pool", password="pw-123",
-                             namespace="acl")
+    settings = StoreSettings(url=server.url, username="pool", password="pw-123", namespace="acl")
     store = RedisStore.connect(settings)
     try:
         token = await store.updater_lease().acquire()

@@ -46,6 +46,7 @@ class WeightsTarget:
     path: Path
     expected_manifest: Manifest
 
+
 TTarget = TypeVar("TTarget")
 
 

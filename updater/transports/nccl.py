@@ -120,6 +120,7 @@ def _mod(name: str) -> Any:
     are absent on CPU-only machines, so nothing here is typed against one of them."""
     return importlib.import_module(name)
 
+
 ApiFamily = Literal["static", "factory"]
 
 
@@ -201,30 +202,40 @@ def api_family(version: tuple[int, int, int]) -> ApiFamily:
 
     Raises :class:`PreflightFailed` below 0.26 (no NCCL weight-transfer engine)."""
     if version < (0, 26, 0):
-        raise PreflightFailed(f"vLLM {'.'.join(map(str, version))} has no weight-transfer "
-                              "engine (0.26+ needed)")
+        raise PreflightFailed(
+            f"vLLM {'.'.join(map(str, version))} has no weight-transfer engine (0.26+ needed)"
+        )
     return "static" if version < (0, 28, 0) else "factory"
 
 
-def check_versions(replica: tuple[int, int, int], local: tuple[int, int, int] | None, *,
-                   same_minor: bool) -> ApiFamily:
+def check_versions(
+    replica: tuple[int, int, int], local: tuple[int, int, int] | None, *, same_minor: bool
+) -> ApiFamily:
     """The API family to use with a replica on ``replica`` from a trainer on ``local``.
 
     Refuses (:class:`PreflightFailed`) when there is no local vLLM, when the two sit on different
     sides of the 0.27/0.28 API change, or (``same_minor``) when their major.minor differ."""
     fam = api_family(replica)
     if local is None:
-        raise PreflightFailed("no vllm importable on the sending side: the NCCL transport uses "
-                              "vLLM's trainer helpers", replica_version=list(replica))
+        raise PreflightFailed(
+            "no vllm importable on the sending side: the NCCL transport uses "
+            "vLLM's trainer helpers",
+            replica_version=list(replica),
+        )
     if api_family(local) != fam:
         raise PreflightFailed(
             f"trainer vLLM {local} and replica vLLM {replica} use different weight-transfer "
-            "APIs (0.26-0.27 static, 0.28+ factory)", replica_version=list(replica),
-            local_version=list(local))
+            "APIs (0.26-0.27 static, 0.28+ factory)",
+            replica_version=list(replica),
+            local_version=list(local),
+        )
     if same_minor and local[:2] != replica[:2]:
         raise PreflightFailed(
             f"trainer vLLM {local[0]}.{local[1]} != replica vLLM {replica[0]}.{replica[1]} "
-            "(require_same_vllm_minor)", replica_version=list(replica), local_version=list(local))
+            "(require_same_vllm_minor)",
+            replica_version=list(replica),
+            local_version=list(local),
+        )
     return fam
 
 
@@ -277,9 +288,23 @@ class WeightSource(ABC):
 
 
 _DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1, "complex64": 8,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
+    "complex64": 8,
 }
 
 
@@ -308,8 +333,10 @@ class ModuleSource(WeightSource):
             raise TypeError("ModuleSource needs a module or a callable returning named tensors")
 
     def specs(self) -> list[TensorSpec]:
-        return [TensorSpec(name=n, shape=tuple(int(d) for d in p.shape),
-                           dtype=_dtype_name(p.dtype)) for n, p in self._named()]
+        return [
+            TensorSpec(name=n, shape=tuple(int(d) for d in p.shape), dtype=_dtype_name(p.dtype))
+            for n, p in self._named()
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         for name, p in self._named():
@@ -356,8 +383,10 @@ class CheckpointSource(WeightSource):
             yield s.name, self._tensors[s.name]
 
     def spec(self) -> SourceSpec | None:
-        return SourceSpec(f"{type(self).__module__}:{type(self).__qualname__}",
-                          (("path", str(self.path)), ("device", self.device)))
+        return SourceSpec(
+            f"{type(self).__module__}:{type(self).__qualname__}",
+            (("path", str(self.path)), ("device", self.device)),
+        )
 
     def release(self) -> None:
         self._tensors = None
@@ -371,25 +400,34 @@ class HttpWeightSyncClient:
     runs in sender threads). Handed to the 0.28+ trainer engine; the 0.26-0.27 path uses
     :meth:`post` directly. Non-2xx raises :class:`HttpStepError`."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, init_timeout_s: float = 300.0,
-                 control_timeout_s: float = 60.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        init_timeout_s: float = 300.0,
+        control_timeout_s: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.init_timeout_s = init_timeout_s
         self.control_timeout_s = control_timeout_s
         self._transport = transport
 
-    def post(self, path: str, body: Mapping[str, Any] | None = None, *,
-             timeout_s: float) -> dict[str, Any]:
+    def post(
+        self, path: str, body: Mapping[str, Any] | None = None, *, timeout_s: float
+    ) -> dict[str, Any]:
         try:
-            with httpx.Client(base_url=self.base_url, timeout=timeout_s,
-                              transport=self._transport,
-                              limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            with httpx.Client(
+                base_url=self.base_url,
+                timeout=timeout_s,
+                transport=self._transport,
+                limits=httpx.Limits(max_keepalive_connections=0),
+            ) as c:
                 r = c.post(path, json=body)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            raise HttpStepError(path, None, f"not sent: {type(e).__name__}: {e}",
-                                sent=False) from e
+            raise HttpStepError(path, None, f"not sent: {type(e).__name__}: {e}", sent=False) from e
         except httpx.HTTPError as e:
             raise HttpStepError(path, None, f"{type(e).__name__}: {e}") from e
         if not r.is_success:
@@ -402,8 +440,9 @@ class HttpWeightSyncClient:
 
     # the VLLMWeightSyncClient protocol (0.28+)
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.post("/init_weight_transfer_engine", {"init_info": init_info},
-                  timeout_s=self.init_timeout_s)
+        self.post(
+            "/init_weight_transfer_engine", {"init_info": init_info}, timeout_s=self.init_timeout_s
+        )
 
     def start_weight_update(self) -> None:
         self.post("/start_weight_update", None, timeout_s=self.control_timeout_s)
@@ -420,8 +459,7 @@ class HttpStepError(Exception):
     """One control call failed: ``status`` is the HTTP status (None: no response)."""
 
     def __init__(self, path: str, status: int | None, text: str, *, sent: bool = True) -> None:
-        super().__init__(f"POST {path}: {status if status is not None else 'no response'}: "
-                         f"{text}")
+        super().__init__(f"POST {path}: {status if status is not None else 'no response'}: {text}")
         self.path, self.status, self.text, self.sent = path, status, text, sent
 
     @property
@@ -491,8 +529,14 @@ class _TimedGroup:
         first = self.records[0][2]
         out = []
         for nbytes, _t, e0, e1 in self.records:
-            out.append({"bytes": nbytes, "start_ms": first.elapsed_time(e0),
-                        "end_ms": first.elapsed_time(e1), "kernel_ms": e0.elapsed_time(e1)})
+            out.append(
+                {
+                    "bytes": nbytes,
+                    "start_ms": first.elapsed_time(e0),
+                    "end_ms": first.elapsed_time(e1),
+                    "kernel_ms": e0.elapsed_time(e1),
+                }
+            )
         return out
 
 
@@ -536,11 +580,13 @@ class SenderCore:
         self._set_device()
         t0 = time.perf_counter()
         self.groups[key] = engine_cls.trainer_init(
-            {"master_address": address, "master_port": port, "world_size": world_size})
+            {"master_address": address, "master_port": port, "world_size": world_size}
+        )
         return time.perf_counter() - t0
 
-    def static_send(self, key: str, source: WeightSource | SourceSpec, packing: Packing,
-                    chunk_timings: bool) -> dict[str, Any]:
+    def static_send(
+        self, key: str, source: WeightSource | SourceSpec, packing: Packing, chunk_timings: bool
+    ) -> dict[str, Any]:
         torch = _mod("torch")
         nccl_engine = _mod(_NCCL_ENGINE)
         self._set_device()
@@ -549,9 +595,12 @@ class SenderCore:
         group = self.groups[key]
         timed = _TimedGroup(group) if chunk_timings else None
         args = nccl_engine.NCCLTrainerSendWeightsArgs(
-            group=timed or group, src=0, packed=packing.packed,
+            group=timed or group,
+            src=0,
+            packed=packing.packed,
             packed_buffer_size_bytes=packing.buffer_bytes,
-            packed_num_buffers=packing.num_buffers)
+            packed_num_buffers=packing.num_buffers,
+        )
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         nccl_engine.NCCLWeightTransferEngine.trainer_send_weights(iter(src), args)
@@ -564,17 +613,28 @@ class SenderCore:
 
     # -- 0.28+ -------------------------------------------------------------------------------
 
-    def factory_init(self, key: str, address: str, port: int, world_size: int,
-                     packing: Packing, client: HttpWeightSyncClient) -> float:
+    def factory_init(
+        self,
+        key: str,
+        address: str,
+        port: int,
+        world_size: int,
+        packing: Packing,
+        client: HttpWeightSyncClient,
+    ) -> float:
         factory = _mod("vllm.distributed.weight_transfer.factory").WeightTransferTrainerFactory
         self._set_device()
         info = _mod(_NCCL_ENGINE).NCCLTrainerInitInfo(
-            master_address=address, master_port=port, world_size=world_size,
-            packed=packing.packed, packed_buffer_size_bytes=packing.buffer_bytes,
-            packed_num_buffers=packing.num_buffers, rank=0)
+            master_address=address,
+            master_port=port,
+            world_size=world_size,
+            packed=packing.packed,
+            packed_buffer_size_bytes=packing.buffer_bytes,
+            packed_num_buffers=packing.num_buffers,
+            rank=0,
+        )
         t0 = time.perf_counter()
-        self.groups[key] = factory.trainer_init(
-            info, client=client, source=_EmptyVllmSource.make())
+        self.groups[key] = factory.trainer_init(info, client=client, source=_EmptyVllmSource.make())
         return time.perf_counter() - t0
 
     def factory_send(self, key: str, source: WeightSource | SourceSpec) -> dict[str, Any]:
@@ -612,8 +672,9 @@ def _vllm_source(src: WeightSource) -> Any:
 
     class _Adapter(vllm_weight_source):  # type: ignore[misc]
         def metadata(self) -> list[Any]:
-            return [base.ParamMeta(s.name, getattr(torch, s.dtype), tuple(s.shape))
-                    for s in src.specs()]
+            return [
+                base.ParamMeta(s.name, getattr(torch, s.dtype), tuple(s.shape)) for s in src.specs()
+            ]
 
         def __iter__(self) -> Iterator[tuple[str, Any]]:
             return iter(src)
@@ -654,8 +715,9 @@ class ThreadSender:
 
     def abandon(self, key: str) -> None:
         # ncclCommAbort may itself block a while: never on the event loop
-        threading.Thread(target=self.core.abort, args=(key,), daemon=True,
-                         name=f"nccl-abort-{key}").start()
+        threading.Thread(
+            target=self.core.abort, args=(key,), daemon=True, name=f"nccl-abort-{key}"
+        ).start()
 
     def close(self) -> None:
         for key in list(self.core.groups):
@@ -698,8 +760,12 @@ class ProcessSender:
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_child_main, args=(child, self.device), daemon=True,
-                           name="rolloutpool-nccl-sender")
+        proc = ctx.Process(
+            target=_child_main,
+            args=(child, self.device),
+            daemon=True,
+            name="rolloutpool-nccl-sender",
+        )
         proc.start()
         child.close()
         self._proc, self._conn = proc, parent
@@ -720,8 +786,7 @@ class ProcessSender:
                         raise RuntimeError(f"sender process: {op}: {value}")
                     return value
                 if not proc.is_alive():
-                    raise RuntimeError(f"sender process died during {op} "
-                                       f"(exit {proc.exitcode})")
+                    raise RuntimeError(f"sender process died during {op} (exit {proc.exitcode})")
 
     def abandon(self, key: str) -> None:
         self.kill()
@@ -770,11 +835,16 @@ class NcclTransport(Transport[WeightsTarget]):
 
     name: ClassVar[str] = "nccl"
 
-    def __init__(self, config: NcclConfig | None = None, source: WeightSource | None = None,
-                 *, sender: Literal["thread", "process"] = "thread",
-                 sender_impl: Sender | None = None,
-                 http_transport: httpx.BaseTransport | None = None,
-                 local_version: str | None = None) -> None:
+    def __init__(
+        self,
+        config: NcclConfig | None = None,
+        source: WeightSource | None = None,
+        *,
+        sender: Literal["thread", "process"] = "thread",
+        sender_impl: Sender | None = None,
+        http_transport: httpx.BaseTransport | None = None,
+        local_version: str | None = None,
+    ) -> None:
         self.config = config or NcclConfig()
         self.source = source
         self.packing = self.config.packing
@@ -782,8 +852,7 @@ class NcclTransport(Transport[WeightsTarget]):
             self.sender: Sender = sender_impl
         elif sender == "process":
             if source is not None and source.spec() is None:
-                raise ValueError("sender='process' needs a source with a spec() (or service "
-                                 "mode)")
+                raise ValueError("sender='process' needs a source with a spec() (or service mode)")
             self.sender = ProcessSender(self.config.device)
         else:
             self.sender = ThreadSender(self.config.device)
@@ -827,10 +896,13 @@ class NcclTransport(Transport[WeightsTarget]):
 
     def _client(self, url: str) -> HttpWeightSyncClient:
         c = self.config
-        return HttpWeightSyncClient(url, timeout_s=c.http_timeout_s,
-                                    init_timeout_s=c.init_timeout_s,
-                                    control_timeout_s=c.control_timeout_s,
-                                    transport=self._http_transport)
+        return HttpWeightSyncClient(
+            url,
+            timeout_s=c.http_timeout_s,
+            init_timeout_s=c.init_timeout_s,
+            control_timeout_s=c.control_timeout_s,
+            transport=self._http_transport,
+        )
 
     # -- what to send ------------------------------------------------------------------------
 
@@ -879,18 +951,28 @@ class NcclTransport(Transport[WeightsTarget]):
         if manifest.digest != expected.digest:
             diff = expected.diff(manifest)
             raise PreflightFailed(
-                f"weights do not match the replica's model: {'; '.join(diff)}", diff=diff,
-                expected_digest=expected.digest, actual_digest=manifest.digest, **ctx)
+                f"weights do not match the replica's model: {'; '.join(diff)}",
+                diff=diff,
+                expected_digest=expected.digest,
+                actual_digest=manifest.digest,
+                **ctx,
+            )
         ident = target.identity
         if ident.manifest_digest != manifest.digest:
             raise PreflightFailed(
                 f"identity mismatch: declared manifest digest {ident.manifest_digest} != "
-                f"the source's {manifest.digest}", **ctx)
-        if self.source is None and ident.checkpoint_uri not in (str(target.path),
-                                                                 target.path.as_uri()):
+                f"the source's {manifest.digest}",
+                **ctx,
+            )
+        if self.source is None and ident.checkpoint_uri not in (
+            str(target.path),
+            target.path.as_uri(),
+        ):
             raise PreflightFailed(
                 f"identity mismatch: declared checkpoint_uri {ident.checkpoint_uri!r} is not "
-                f"this path {str(target.path)!r}", **ctx)
+                f"this path {str(target.path)!r}",
+                **ctx,
+            )
         return src, specs
 
     async def _family(self, engine: VllmEngine) -> ApiFamily:
@@ -899,8 +981,11 @@ class NcclTransport(Transport[WeightsTarget]):
         except RuntimeError:
             caps = await engine.bootstrap()  # read-only
         local = self._local_version or local_vllm_version()
-        return check_versions(caps.version_tuple, None if local is None else parse_version(local),
-                              same_minor=self.config.require_same_vllm_minor)
+        return check_versions(
+            caps.version_tuple,
+            None if local is None else parse_version(local),
+            same_minor=self.config.require_same_vllm_minor,
+        )
 
     # -- Transport ---------------------------------------------------------------------------
 
@@ -913,11 +998,14 @@ class NcclTransport(Transport[WeightsTarget]):
         if self.source is None:  # service mode: load now, outside the paused window
             wire = self._wire(src)
             try:
-                await asyncio.wrap_future(_spawn(self.sender.call, "prepare", wire,
-                                                 name="nccl-prepare"))
+                await asyncio.wrap_future(
+                    _spawn(self.sender.call, "prepare", wire, name="nccl-prepare")
+                )
             except Exception as e:
-                raise PreflightFailed(f"cannot load {target.path} onto "
-                                      f"{self.config.device}: {e}", path=str(target.path)) from e
+                raise PreflightFailed(
+                    f"cannot load {target.path} onto {self.config.device}: {e}",
+                    path=str(target.path),
+                ) from e
 
     async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
         """Send ``target`` into ``engine`` (which must be paused). See the module docstring for
@@ -929,20 +1017,32 @@ class NcclTransport(Transport[WeightsTarget]):
         packing = self.packing
         wire = self._wire(src)
         nbytes = sum(_spec_bytes(s) for s in specs)
-        timings: dict[str, Any] = {"family": family, "bytes": nbytes,
-                                   "packing": packing.model_dump()}
+        timings: dict[str, Any] = {
+            "family": family,
+            "bytes": nbytes,
+            "packing": packing.model_dump(),
+        }
         if not await engine.is_paused():
-            raise NoMutation(f"refusing to send weights into {engine.url}: not paused",
-                             url=engine.url)
+            raise NoMutation(
+                f"refusing to send weights into {engine.url}: not paused", url=engine.url
+            )
         group = await self._ensure_group(engine, rep, family, packing, timings)
         try:
             t0 = time.monotonic()
             if family == "static":
                 await self._send_static(engine.url, group, wire, specs, packing, timings)
             else:
-                timings.update(await asyncio.wrap_future(
-                    _spawn(self.sender.call, "factory_send", group.key, wire,
-                           name=f"nccl-send-{group.key}")))
+                timings.update(
+                    await asyncio.wrap_future(
+                        _spawn(
+                            self.sender.call,
+                            "factory_send",
+                            group.key,
+                            wire,
+                            name=f"nccl-send-{group.key}",
+                        )
+                    )
+                )
             timings["transfer_s"] = time.monotonic() - t0
         except BaseException as e:  # CancelledError (deadline) included: the group is unusable
             self._abandon(rep, f"transfer failed: {type(e).__name__}: {e}")
@@ -952,21 +1052,35 @@ class NcclTransport(Transport[WeightsTarget]):
                 raise
             raise AmbiguousMutation(
                 f"NCCL transfer into {engine.url} failed after start_weight_update: "
-                f"{type(e).__name__}: {e}", url=engine.url, step=timings.get("step")) from e
+                f"{type(e).__name__}: {e}",
+                url=engine.url,
+                step=timings.get("step"),
+            ) from e
         timings["total_s"] = time.monotonic() - t_start
         timings["GBps"] = nbytes / timings["transfer_s"] / 1e9 if timings["transfer_s"] else 0
         rep.last = timings
         return TransferEvidence(
-            transport=self.name, identity_digest=target.identity.digest, ok=True, bytes=nbytes,
-            elapsed_s=timings["transfer_s"], detail=json.dumps(
-                {k: v for k, v in timings.items() if k != "chunks"}, default=str))
+            transport=self.name,
+            identity_digest=target.identity.digest,
+            ok=True,
+            bytes=nbytes,
+            elapsed_s=timings["transfer_s"],
+            detail=json.dumps({k: v for k, v in timings.items() if k != "chunks"}, default=str),
+        )
 
-    async def _ensure_group(self, engine: VllmEngine, rep: _Replica, family: ApiFamily,
-                            packing: Packing, timings: dict[str, Any]) -> _Group:
+    async def _ensure_group(
+        self,
+        engine: VllmEngine,
+        rep: _Replica,
+        family: ApiFamily,
+        packing: Packing,
+        timings: dict[str, Any],
+    ) -> _Group:
         g = rep.group
         epoch = getattr(self.sender, "epoch", 0)
-        if g is not None and (g.family != family or g.epoch != epoch
-                              or (family == "factory" and g.packing != packing)):
+        if g is not None and (
+            g.family != family or g.epoch != epoch or (family == "factory" and g.packing != packing)
+        ):
             self._abandon(rep, "stale group (packing, API or sender changed)")
             g = None
         if g is not None:
@@ -984,19 +1098,46 @@ class NcclTransport(Transport[WeightsTarget]):
         try:
             if family == "static":
                 client = self._client(url)
-                init_info = {"master_address": addr, "master_port": port, "rank_offset": 1,
-                             "world_size": ws}
+                init_info = {
+                    "master_address": addr,
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": ws,
+                }
                 limit = self.config.init_timeout_s
                 await _gather_threads(
-                    _spawn(lambda: client.post("/init_weight_transfer_engine",
-                                               {"init_info": init_info}, timeout_s=limit),
-                           name=f"nccl-init-http-{key}"),
-                    _spawn(self.sender.call, "static_init", key, addr, port, ws,
-                           name=f"nccl-init-{key}"))
+                    _spawn(
+                        lambda: client.post(
+                            "/init_weight_transfer_engine",
+                            {"init_info": init_info},
+                            timeout_s=limit,
+                        ),
+                        name=f"nccl-init-http-{key}",
+                    ),
+                    _spawn(
+                        self.sender.call,
+                        "static_init",
+                        key,
+                        addr,
+                        port,
+                        ws,
+                        name=f"nccl-init-{key}",
+                    ),
+                )
             else:
-                await asyncio.wrap_future(_spawn(
-                    self.sender.call, "factory_init", key, addr, port, ws, packing,
-                    self._client(url), name=f"nccl-init-{key}"))
+                await asyncio.wrap_future(
+                    _spawn(
+                        self.sender.call,
+                        "factory_init",
+                        key,
+                        addr,
+                        port,
+                        ws,
+                        packing,
+                        self._client(url),
+                        name=f"nccl-init-{key}",
+                    )
+                )
         except BaseException as e:
             rep.incarnation += 1  # the port may still be held by the half-open rendezvous
             with contextlib.suppress(Exception):
@@ -1004,21 +1145,37 @@ class NcclTransport(Transport[WeightsTarget]):
             if isinstance(e, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
                 raise
             if isinstance(e, HttpStepError) and e.refused:
-                raise NoMutation(f"NCCL group init refused by {url}: {e}", url=url,
-                                 port=port) from e
-            raise AmbiguousMutation(f"NCCL group init with {url} failed: {type(e).__name__}: "
-                                    f"{e}", url=url, port=port) from e
-        g = _Group(key=key, url=url, port=port, world_size=ws, family=family, packing=packing,
-                   epoch=getattr(self.sender, "epoch", 0), init_s=time.monotonic() - t0)
+                raise NoMutation(
+                    f"NCCL group init refused by {url}: {e}", url=url, port=port
+                ) from e
+            raise AmbiguousMutation(
+                f"NCCL group init with {url} failed: {type(e).__name__}: {e}", url=url, port=port
+            ) from e
+        g = _Group(
+            key=key,
+            url=url,
+            port=port,
+            world_size=ws,
+            family=family,
+            packing=packing,
+            epoch=getattr(self.sender, "epoch", 0),
+            init_s=time.monotonic() - t0,
+        )
         rep.group = g
         timings["init_s"] = g.init_s
         timings["port"] = port
         timings["world_size"] = ws
         return g
 
-    async def _send_static(self, url: str, g: _Group, wire: WeightSource | SourceSpec,
-                           specs: list[TensorSpec], packing: Packing,
-                           timings: dict[str, Any]) -> None:
+    async def _send_static(
+        self,
+        url: str,
+        g: _Group,
+        wire: WeightSource | SourceSpec,
+        specs: list[TensorSpec],
+        packing: Packing,
+        timings: dict[str, Any],
+    ) -> None:
         client = self._client(url)
         update_info: dict[str, Any] = {
             "names": [s.name for s in specs],
@@ -1031,30 +1188,47 @@ class NcclTransport(Transport[WeightsTarget]):
         ctl = self.config.control_timeout_s
         timings["step"] = "start"
         t = time.monotonic()
-        await asyncio.wrap_future(_spawn(
-            lambda: client.post("/start_weight_update", None, timeout_s=ctl),
-            name=f"nccl-start-{g.key}"))
+        await asyncio.wrap_future(
+            _spawn(
+                lambda: client.post("/start_weight_update", None, timeout_s=ctl),
+                name=f"nccl-start-{g.key}",
+            )
+        )
         timings["start_s"] = time.monotonic() - t
         timings["step"] = "update"
         t = time.monotonic()
         http_done: dict[str, float] = {}
 
         def update() -> None:
-            client.post("/update_weights", {"update_info": update_info},
-                        timeout_s=self.config.http_timeout_s)
+            client.post(
+                "/update_weights",
+                {"update_info": update_info},
+                timeout_s=self.config.http_timeout_s,
+            )
             http_done["t"] = time.monotonic()
 
         _, sent = await _gather_threads(
             _spawn(update, name=f"nccl-update-http-{g.key}"),
-            _spawn(self.sender.call, "static_send", g.key, wire, packing,
-                   self.config.chunk_timings, name=f"nccl-send-{g.key}"))
+            _spawn(
+                self.sender.call,
+                "static_send",
+                g.key,
+                wire,
+                packing,
+                self.config.chunk_timings,
+                name=f"nccl-send-{g.key}",
+            ),
+        )
         timings["update_s"] = time.monotonic() - t
         timings["update_http_s"] = http_done.get("t", time.monotonic()) - t
         timings.update(sent)
         timings["step"] = "finish"
         t = time.monotonic()
-        await asyncio.wrap_future(_spawn(
-            lambda: client.post("/finish_weight_update", None, timeout_s=ctl),
-            name=f"nccl-finish-{g.key}"))
+        await asyncio.wrap_future(
+            _spawn(
+                lambda: client.post("/finish_weight_update", None, timeout_s=ctl),
+                name=f"nccl-finish-{g.key}",
+            )
+        )
         timings["finish_s"] = time.monotonic() - t
         timings["step"] = "done"
