@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from bench._meta import write
-from pool.redis_server import RedisServer
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
+from testkit.redis_server import RedisServer
 
 
 async def run(url: str, pairs: int, concurrency: int) -> float:

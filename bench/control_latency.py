@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 
 from bench._meta import write
-from bench.rolling_update_cpu import marker
 from pool.engine import VllmEngine
 from pool.launcher import LocalReplica, ReplicaSpec
+from testkit.scenarios.rolling import marker
 
 TIMEOUT_S = 10.0
 

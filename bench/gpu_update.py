@@ -385,9 +385,9 @@ async def record_pids(env: Env) -> None:
 
 
 async def start_pool(env: Env) -> None:
-    from pool.redis_server import RedisServer
     from pool.settings import StoreSettings
     from pool.store import RedisStore
+    from testkit.redis_server import RedisServer
 
     env.redis = RedisServer(env.work / "redis").start()
     env.store = RedisStore.connect(

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 
 from bench._meta import write
-from bench.rolling_update_cpu import marker
 from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, count_launches
+from testkit.scenarios.rolling import marker
 
 
 def cpu_pressure() -> float | None:

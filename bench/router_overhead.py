@@ -3,7 +3,7 @@
     python -m bench.router_overhead [--requests 2400] [--concurrency 1 4]
 
 Setup (all on this machine): a local ``redis-server``, two vLLM CPU replicas of the tiny model
-(float32, eager, one core each, via :mod:`tests.integration.harness`), and the router as its own
+(float32, eager, one core each, via :mod:`testkit.harness`), and the router as its own
 process (``python -m router``, as deployed). One client process sends the same workload —
 ``/v1/completions``, ``max_tokens`` 1, temperature 0, a short prompt — alternately *direct* to a
 replica (round-robin over both) and *through the router*, request by request, from
@@ -42,16 +42,16 @@ import aiohttp
 
 from bench._meta import write
 from pool.launcher import free_port
-from pool.redis_server import RedisServer
 from pool.settings import StoreSettings
 from pool.store import RedisStore
-from tests.integration.harness import (
+from testkit.harness import (
     label_replicas,
     publish_ready,
     start_replicas,
     stop_replicas,
     tiny_model,
 )
+from testkit.redis_server import RedisServer
 
 PROMPT = "the quick brown fox"
 

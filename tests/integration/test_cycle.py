@@ -20,9 +20,9 @@ from pool.engine import VllmEngine
 from pool.errors import AdmissionRefused
 from pool.evidence import TransferEvidence
 from pool.launcher import LocalReplica, ReplicaSpec
-from pool.models import ensure_model, marker_token
 from pool.store import RedisStore, UpdaterLease
 from pool.types import BindingState, Generation, ReplicaState, WeightIdentity
+from testkit.models import ensure_model, marker_token
 from updater.cycle import (
     CycleError,
     CycleRunner,

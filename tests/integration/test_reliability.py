@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.reliability import scenario
+from testkit.scenarios.reliability import scenario
 
 pytestmark = pytest.mark.integration
 

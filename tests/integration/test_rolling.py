@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.rolling_update_cpu import Params, scenario
+from testkit.scenarios.rolling import Params, scenario
 
 pytestmark = pytest.mark.integration
 

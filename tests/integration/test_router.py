@@ -2,7 +2,7 @@
 real ``openai`` SDK.
 
 One pool per module (two replicas of tiny model A, float32 eager, cores 0 and 1, labelled g0 and
-published READY by :mod:`tests.integration.harness` acting as the updater). Tests run in file
+published READY by :mod:`testkit.harness` acting as the updater). Tests run in file
 order; the last one checks that no binding or lease is left behind.
 """
 
@@ -23,12 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pool.engine import VllmEngine
 from pool.launcher import LocalReplica
-from pool.redis_server import RedisServer
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, ReplicaState
 from router.settings import RouterSettings
-from tests.integration.harness import (
+from testkit.harness import (
     RunningRouter,
     identity_of,
     label_replicas,
@@ -39,6 +38,7 @@ from tests.integration.harness import (
     stop_replicas,
     tiny_model,
 )
+from testkit.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -19,9 +19,15 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from bench.stale_cache import Checkpoints, make_specs, run_scenario, start_servers, stop_servers
 from pool.launcher import LocalReplica
-from pool.redis_server import RedisServer
+from testkit.redis_server import RedisServer
+from testkit.scenarios.stale_cache import (
+    Checkpoints,
+    make_specs,
+    run_scenario,
+    start_servers,
+    stop_servers,
+)
 from tests.integration.conftest import TinyModels
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -15,13 +15,13 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from bench.reliability import watch_recovery
 from pool.errors import StoreConflict
 from pool.launcher import ReplicaSpec, free_port
-from pool.models import ensure_model, marker_token
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
+from testkit.models import ensure_model, marker_token
+from testkit.scenarios.reliability import watch_recovery
 from updater.app import create_app
 from updater.client import UpdateFailed, UpdaterClient
 from updater.service import Updater

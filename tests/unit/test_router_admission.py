@@ -28,7 +28,7 @@ from router.admission import (
 from router.bindings import Bindings
 from router.errors import BadRequest
 from router.settings import RouterSettings
-from tests.integration.harness import publish_ready, router_client
+from testkit.harness import publish_ready, router_client
 
 DEAD = "http://127.0.0.1:1"  # connection refused
 BODY = {"model": "rolloutpool", "prompt": "hello", "max_tokens": 1}

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from pool.redis_server import RedisServer, free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from router.settings import RouterSettings
-from tests.integration.harness import publish_ready, router_client
+from testkit.harness import publish_ready, router_client
+from testkit.redis_server import RedisServer, free_port
 
 KEY = "sk-client-SECRET-1111"
 ADMIN = "adm-SECRET-2222"

@@ -11,7 +11,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState
 from router.settings import RouterSettings
-from tests.integration.harness import publish_ready, router_client
+from testkit.harness import publish_ready, router_client
 
 DEAD = "http://127.0.0.1:1"
 BODY = {"model": "rolloutpool", "prompt": "hello", "max_tokens": 1}

@@ -22,13 +22,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pool.redis_server import RedisServer
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, ReplicaState
 from router.app import create_app
 from router.settings import RouterSettings
-from tests.integration.harness import publish_ready, router_client, settled
+from testkit.harness import publish_ready, router_client, settled
+from testkit.redis_server import RedisServer
 
 MODEL_PATH = "/fake/models/tiny"
 

@@ -52,10 +52,10 @@ from pool.evidence import (
     ValidationEvidence,
 )
 from pool.lifecycle import Lifecycle, advance
-from pool.redis_server import RedisServer
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
+from testkit.redis_server import RedisServer
 
 S = ReplicaState
 REPLICAS = ("r0", "r1")

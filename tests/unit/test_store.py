@@ -15,10 +15,10 @@ from pool.errors import (
     StoreConflict,
     StoreUnavailable,
 )
-from pool.redis_server import free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, GenerationRecord, ReplicaState, WeightIdentity
+from testkit.redis_server import free_port
 
 S = ReplicaState
 G0, G1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
@@ -269,7 +269,7 @@ async def test_unique_namespaces_isolate(redis_server) -> None:  # type: ignore[
 async def test_acl_user_and_bindings_survive_a_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Connect as an ACL user with a password; script-written state survives a clean restart
     (AOF). On Redis 7.0 this fails if the default user is disabled (see RedisServer)."""
-    from pool.redis_server import RedisServer
+    from testkit.redis_server import RedisServer
 
     server = RedisServer(tmp_path, username="pool", password="pw-123").start()
     settings = StoreSettings(url=server.url, username="pool", password="pw-123", namespace="acl")

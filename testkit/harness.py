@@ -27,12 +27,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from pool.checkpoint import content_hash, read_manifest
 from pool.engine import VllmEngine
 from pool.launcher import LocalReplica, ReplicaSpec
-from pool.models import ensure_model
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Binding, BindingState, Generation, ReplicaState, WeightIdentity
 from router.app import create_app, start_server
 from router.settings import RouterSettings
+from testkit.models import ensure_model
 
 G0 = Generation(number=0, label="g0")
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"

@@ -27,7 +27,8 @@ same key both end up using one complete directory.
 :func:`marker_token` maps a generation number to its marker token id (see its docstring).
 
 torch, transformers and tokenizers are imported inside the builders only: importing this module
-is cheap and needs none of them. CLI: ``python -m pool.models --out DIR [--kind random --seed 1]``.
+is cheap and needs none of them.
+CLI: ``python -m testkit.models --out DIR [--kind random --seed 1]``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pool.launcher import default_cache_root
+
 __all__ = [
     "MARKER_FIRST",
     "MARKER_SPAN",
@@ -51,7 +54,6 @@ __all__ = [
     "build_marker",
     "build_random",
     "build_tokenizer",
-    "default_cache_root",
     "ensure_model",
     "marker_token",
 ]
@@ -86,14 +88,6 @@ def marker_token(generation_number: int) -> int:
     if generation_number < 0:
         raise ValueError(f"generation number must be >= 0, got {generation_number}")
     return MARKER_FIRST + (7 * generation_number) % MARKER_SPAN
-
-
-def default_cache_root() -> Path:
-    """``$ROLLOUTPOOL_CACHE`` if set, else ``<repo>/.cache`` (git-ignored)."""
-    env = os.environ.get("ROLLOUTPOOL_CACHE")
-    if env:
-        return Path(env).expanduser().resolve()
-    return Path(__file__).resolve().parent.parent / ".cache"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,8 +341,10 @@ def ensure_model(kind: str, cache_root: Path | None = None, **params: Any) -> Pa
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m pool.models --out DIR [--kind random|marker] [--seed N] [--token T]``."""
-    ap = argparse.ArgumentParser(prog="python -m pool.models", description=__doc__.split("\n")[0])
+    """``python -m testkit.models --out DIR [--kind random|marker] [--seed N] [--token T]``."""
+    ap = argparse.ArgumentParser(
+        prog="python -m testkit.models", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--out", type=Path, help="write the model here (default: into the cache)")
     ap.add_argument("--kind", choices=["random", "marker", "tokenizer"], default="random")
     ap.add_argument("--seed", type=int, default=1)

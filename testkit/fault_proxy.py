@@ -13,7 +13,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from pool.redis_server import free_port
+from testkit.redis_server import free_port
 
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 
