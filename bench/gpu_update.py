@@ -580,12 +580,15 @@ async def phase_a(env: Env) -> None:
         h, gen(0), identity(env, 0), target(env, 0).probe, checkpoint=Path("/in-process/g0")
     )
     res["bootstrap"] = {
-        "report": rep.to_dict(),
+        "report": rep.model_dump(mode="json"),
         "wall_s": round(now() - t0, 3),
         "transfer": transport.last.get(url),
         "dummy_vs_g0": pre,
     }
-    print(f"bootstrap g0: {rep.to_dict()} init+transfer {transport.last.get(url)}", flush=True)
+    print(
+        f"bootstrap g0: {rep.model_dump(mode='json')} init+transfer {transport.last.get(url)}",
+        flush=True,
+    )
     env.save()
 
     # (a) one full cycle g0 -> g1
@@ -597,7 +600,7 @@ async def phase_a(env: Env) -> None:
     chunks = last.pop("chunks", [])
     raw = res.get("raw_nccl_GBps")
     res["cycle"] = {
-        "report": rep.to_dict(),
+        "report": rep.model_dump(mode="json"),
         "wall_s": round(now() - t0, 3),
         "transfer": last,
         "chunks": chunk_summary(chunks, raw),
@@ -711,7 +714,7 @@ async def phase_b(env: Env) -> None:
         "start_to_serving_s": round(start_s, 2),
         "wall_s": round(restart_wall, 2),
         "bootstrap_after_restart_s": round(now() - t1, 3),
-        "bootstrap": report.to_dict(),
+        "bootstrap": report.model_dump(mode="json"),
         "transfer": {k: v for k, v in transport.last[h.engine.url].items() if k != "chunks"},
     }
     res["restart_s"] = round(start_s, 2)
@@ -888,7 +891,7 @@ async def phase_c(env: Env) -> None:
             checkpoint=Path("/in-process/g0"),
         )
         boots[rid] = {
-            "report": rep.to_dict(),
+            "report": rep.model_dump(mode="json"),
             "transfer_GBps": round(transport.last[env.handles[rid].engine.url].get("GBps", 0), 1),
         }
     res["rolling_bootstrap"] = boots
@@ -913,7 +916,7 @@ async def phase_c(env: Env) -> None:
                         "generation": g,
                         "outcome": rep.outcome,
                         "window_s": rep.window_s,
-                        "phases": rep.to_dict()["phases"],
+                        "phases": rep.model_dump(mode="json")["phases"],
                         "GBps": round(transport.last[env.handles[rid].engine.url]["GBps"], 1),
                         "wall_s": round(now() - t0, 3),
                     }
@@ -1019,7 +1022,7 @@ async def phase_d(env: Env) -> None:
     try:
         await task
     except CycleError as e:
-        outcome = e.report.to_dict()
+        outcome = e.report.model_dump(mode="json")
     t_tainted = now()
     rec = await env.store.replica("r1")
     stuck.update(
@@ -1072,7 +1075,7 @@ async def phase_d(env: Env) -> None:
         )
         stuck["recovery"] = {
             "outcome": report.outcome,
-            "phases": report.to_dict()["phases"],
+            "phases": report.model_dump(mode="json")["phases"],
             "restart_s": round(restart_s, 1),
             "total_s": round(now() - t0, 1),
             "service_transfer": {

@@ -65,19 +65,13 @@ class Lifecycle:
     target_identity: str | None = None
     reason: str = ""
 
-    @property
-    def admitting(self) -> bool:
-        return self.state is S.READY
 
-    @property
-    def mutable(self) -> bool:
-        """True only where I2 allows the weights to change."""
-        return self.state is S.UPDATING
-
-
+#: A guard checks that ``event`` proves its step and returns the lifecycle's new fields; the
+#: ``state`` it returns is ignored: :data:`TRANSITIONS` alone assigns the next state.
 Guard = Callable[[Lifecycle, Event], Lifecycle]
 
-# state -> event type -> the next state. A missing entry is an IllegalTransition.
+# state -> event type -> the next state. A missing entry is an IllegalTransition. This table is
+# the only place that assigns a next state (``advance`` applies it to what the guard returns).
 TRANSITIONS: dict[ReplicaState, dict[type, ReplicaState]] = {
     S.UNINITIALIZED: {BootstrapEvidence: S.READY},
     S.READY: {DrainRequested: S.DRAINING},
@@ -92,6 +86,13 @@ TRANSITIONS: dict[ReplicaState, dict[type, ReplicaState]] = {
 }
 
 
+#: The states of an update in progress, DRAINING through RESUMING: the replica is out of
+#: admission on its way to the target generation (the rolling plan counts them as unavailable).
+IN_UPDATE: frozenset[ReplicaState] = frozenset(
+    {S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING, S.RESUMING}
+)
+
+
 def _refuse(lc: Lifecycle, event: Event, why: str) -> PostconditionFailed:
     return PostconditionFailed(
         f"{type(event).__name__} does not prove the postcondition in {lc.state}: {why}",
@@ -104,7 +105,7 @@ def _bootstrap(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, BootstrapEvidence)
     if not ev.proves_serving:
         raise _refuse(lc, ev, "no successful completion or validation failed")
-    return Lifecycle(S.READY, ev.generation, ev.identity_digest)
+    return Lifecycle(generation=ev.generation, identity=ev.identity_digest)
 
 
 def _drain_requested(lc: Lifecycle, ev: Event) -> Lifecycle:
@@ -112,9 +113,7 @@ def _drain_requested(lc: Lifecycle, ev: Event) -> Lifecycle:
     cur = lc.generation
     if cur is not None and ev.target.number <= cur.number:
         raise _refuse(lc, ev, f"target g{ev.target.number} is not newer than g{cur.number}")
-    return replace(
-        lc, state=S.DRAINING, target=ev.target, target_identity=ev.target_identity, reason=""
-    )
+    return replace(lc, target=ev.target, target_identity=ev.target_identity, reason="")
 
 
 def _drained(lc: Lifecycle, ev: Event) -> Lifecycle:
@@ -126,21 +125,21 @@ def _drained(lc: Lifecycle, ev: Event) -> Lifecycle:
             f"admissions_closed={ev.admissions_closed} active={ev.active_bindings} "
             f"engine_paused={ev.engine_paused} engine_running={ev.engine_running}",
         )
-    return replace(lc, state=S.QUIESCED)
+    return lc
 
 
 def _cancelled(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, UpdateCancelled)
     if ev.resumed is not None and not ev.resumed.proves_resumed:
         raise _refuse(lc, ev, "engine did not confirm resume")
-    return replace(lc, state=S.READY, target=None, target_identity=None, reason="cancelled")
+    return replace(lc, target=None, target_identity=None, reason="cancelled")
 
 
 def _transfer_started(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, TransferStarted)
     if ev.identity_digest != lc.target_identity:
         raise _refuse(lc, ev, "transfer identity differs from the declared target")
-    return replace(lc, state=S.UPDATING)
+    return lc
 
 
 def _transferred(lc: Lifecycle, ev: Event) -> Lifecycle:
@@ -149,7 +148,7 @@ def _transferred(lc: Lifecycle, ev: Event) -> Lifecycle:
         raise _refuse(lc, ev, f"transport reported failure: {ev.detail}")
     if ev.identity_digest != lc.target_identity:
         raise _refuse(lc, ev, "loaded identity differs from the declared target")
-    return replace(lc, state=S.INVALIDATING)
+    return lc
 
 
 def _reset(lc: Lifecycle, ev: Event) -> Lifecycle:
@@ -158,7 +157,7 @@ def _reset(lc: Lifecycle, ev: Event) -> Lifecycle:
         raise _refuse(
             lc, ev, f"prefix={ev.prefix} mm={ev.multimodal} encoder={ev.encoder} {ev.detail}"
         )
-    return replace(lc, state=S.VALIDATING)
+    return lc
 
 
 def _validated(lc: Lifecycle, ev: Event) -> Lifecycle:
@@ -168,19 +167,19 @@ def _validated(lc: Lifecycle, ev: Event) -> Lifecycle:
     if not ev.proves_valid:
         same = ev.probe_expected == ev.probe_actual
         raise _refuse(lc, ev, f"label_ok={ev.label_ok} probe_matches={same} {ev.detail}")
-    return replace(lc, state=S.RESUMING)
+    return lc
 
 
 def _resumed(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, ResumeEvidence)
     if not ev.proves_resumed:
         raise _refuse(lc, ev, f"http={ev.http_status} is_paused={ev.is_paused}")
-    return Lifecycle(S.READY, lc.target, lc.target_identity)
+    return Lifecycle(generation=lc.target, identity=lc.target_identity)
 
 
 def _recovery(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, RecoveryStarted)
-    return replace(lc, state=S.RECOVERING, reason=ev.reason or lc.reason)
+    return replace(lc, reason=ev.reason or lc.reason)
 
 
 GUARDS: dict[type, Guard] = {
@@ -219,9 +218,7 @@ def advance(lc: Lifecycle, event: Event) -> Lifecycle:
             state=str(lc.state),
             event=type(event).__name__,
         )
-    out = GUARDS[type(event)](lc, event)
-    assert out.state is nxt, (out.state, nxt)
-    return out
+    return replace(GUARDS[type(event)](lc, event), state=nxt)
 
 
 def is_allowed(state: ReplicaState, event_type: type) -> bool:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import html
-import json
 import logging
 import time
 
@@ -24,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from pool.errors import StoreError
+from pool.records import ReplicaReport, UpdateRecord
 from router.bodies import read_json_object
 from router.errors import BadRequest, json_response
 from router.keys import METRICS, REGISTRY, SETTINGS, STORE, VIEW
@@ -153,27 +153,21 @@ td, th {{ border: 1px solid #ccc; padding: .3em .8em; text-align: left; }}
 """
 
 
-def _update_rows(raw: list[str]) -> str:
-    """Rows for the updater's records (JSON written by the updater into the shared store)."""
+def _update_rows(records: list[UpdateRecord]) -> str:
+    """Rows for the updater's records: one per replica an update touched."""
     esc = html.escape
     out = []
-    for text in raw:
-        try:
-            u = json.loads(text)
-        except ValueError:
-            continue
-        reps = u.get("replicas") or {"-": {}}
-        for rid, rep in reps.items():
-            phases = ", ".join(
-                f"{esc(str(k))} {v:.3f}"
-                for k, v in (rep.get("phases") or {}).items()
-                if isinstance(v, int | float)
+    for u in records:
+        reps: list[tuple[str, ReplicaReport | None]] = list(u.replicas.items()) or [("-", None)]
+        for rid, rep in reps:
+            phases = (
+                "" if rep is None else ", ".join(f"{esc(k)} {v:.3f}" for k, v in rep.phases.items())
             )
-            window = rep.get("window_s")
+            window = None if rep is None else rep.window_s
             out.append(
-                f"<tr><td>{esc(str(u.get('id', '')))}</td><td>{esc(str(u.get('label', '')))}</td>"
-                f'<td class="{esc(str(u.get("state", "")))}">{esc(str(u.get("state", "")))}</td>'
-                f"<td>{esc(str(rid))}</td><td>{esc(str(rep.get('outcome', '-')))}</td>"
+                f"<tr><td>{esc(u.id)}</td><td>{esc(u.label)}</td>"
+                f'<td class="{esc(u.state)}">{esc(u.state)}</td>'
+                f"<td>{esc(rid)}</td><td>{esc(rep.outcome if rep else '-')}</td>"
                 f"<td>{'-' if window is None else f'{window:.3f}'}</td><td>{phases}</td></tr>"
             )
     return "\n".join(out)
@@ -184,7 +178,7 @@ async def dashboard(request: web.Request) -> web.Response:
     try:
         replicas = await store.replicas()
         latest = await store.latest()
-        updates = await store.updates_json(10)
+        updates = await store.updates(10)
         counts = await store.generation_admissions()
     except StoreError as e:
         text = f"<!doctype html><p>store unavailable: {html.escape(e.message)}</p>"

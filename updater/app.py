@@ -28,8 +28,9 @@ from pydantic import ValidationError
 
 from pool.errors import NotFound, PreflightFailed, RolloutPoolError, StoreUnavailable
 from pool.metrics import UpdaterMetrics
+from updater.api import UpdateRequest
 from updater.openapi import document
-from updater.service import Updater, UpdateRequest
+from updater.service import Updater
 from updater.settings import UpdaterSettings
 
 log = logging.getLogger("updater")

@@ -57,10 +57,11 @@ from pool.evidence import (
     ValidationEvidence,
 )
 from pool.lifecycle import Lifecycle, advance
+from pool.records import ReplicaOutcome, ReplicaReport
 from pool.store import RedisStore, UpdaterLease
 from pool.types import Generation, Manifest, ReplicaState, WeightIdentity
+from updater.deadline import bounded
 from updater.transports.base import Transport, WeightsTarget
-from updater.watchdog import bounded
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -111,44 +112,22 @@ class ReplicaHandle:
 Validator = Callable[["ReplicaHandle", Generation, "Probe"], Awaitable[ValidationEvidence]]
 
 
-@dataclass
-class CycleReport:
-    replica_id: str
-    generation: int
-    outcome: str = "running"  # ready | refused | cancelled | tainted
-    reason: str = ""
-    phases: dict[str, float] = field(default_factory=dict)
-    window_s: float | None = None  # QUIESCED -> READY
-    aborted_rollouts: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "replica": self.replica_id,
-            "generation": self.generation,
-            "outcome": self.outcome,
-            "reason": self.reason,
-            "phases": {k: round(v, 4) for k, v in self.phases.items()},
-            "window_s": None if self.window_s is None else round(self.window_s, 4),
-            "aborted_rollouts": self.aborted_rollouts,
-        }
-
-
 class CycleError(RolloutPoolError):
     """The cycle did not end READY on the target; ``report.outcome`` says where it ended."""
 
     code = "cycle_failed"
 
-    def __init__(self, report: CycleReport) -> None:
+    def __init__(self, report: ReplicaReport) -> None:
         super().__init__(
-            f"{report.replica_id}: {report.outcome}: {report.reason}",
-            replica=report.replica_id,
+            f"{report.replica}: {report.outcome}: {report.reason}",
+            replica=report.replica,
             outcome=report.outcome,
         )
         self.report = report
 
 
 class _Timer:
-    def __init__(self, report: CycleReport) -> None:
+    def __init__(self, report: ReplicaReport) -> None:
         self.report = report
 
     def __call__(self, phase: str) -> _Phase:
@@ -156,7 +135,7 @@ class _Timer:
 
 
 class _Phase:
-    def __init__(self, report: CycleReport, name: str) -> None:
+    def __init__(self, report: ReplicaReport, name: str) -> None:
         self.report, self.name = report, name
 
     def __enter__(self) -> None:
@@ -235,7 +214,7 @@ class CycleRunner:
             h.lc = replace(h.lc, state=S.TAINTED, reason=reason)
 
     async def _cancel(
-        self, h: ReplicaHandle, report: CycleReport, step: str, exc: BaseException, paused: bool
+        self, h: ReplicaHandle, report: ReplicaReport, step: str, exc: BaseException, paused: bool
     ) -> CycleError:
         """No mutation happened: resume the engine and return to READY on the old generation."""
         report.reason = f"{step}: {exc}"
@@ -246,18 +225,18 @@ class CycleRunner:
                 else None
             )
             await self.commit(h, UpdateCancelled(res), reason=f"cancelled: {report.reason}")
-            report.outcome = "cancelled"
+            report.outcome = ReplicaOutcome.CANCELLED
         except Exception as e2:  # the resume could not be confirmed: the engine state is unknown
             await self._taint(h, "resume after cancel", e2)
-            report.outcome = "tainted"
+            report.outcome = ReplicaOutcome.TAINTED
         return CycleError(report)
 
     # ------------------------------------------------------------------ the update cycle
 
-    async def run(self, h: ReplicaHandle, t: UpdateTarget) -> CycleReport:
+    async def run(self, h: ReplicaHandle, t: UpdateTarget) -> ReplicaReport:
         """Update ``h`` to ``t``; returns the report on READY(t.generation), else raises
         :class:`CycleError` whose report says refused / cancelled / tainted."""
-        report = CycleReport(h.replica_id, t.generation.number)
+        report = ReplicaReport(replica=h.replica_id, generation=t.generation.number)
         timer = _Timer(report)
         target = WeightsTarget(identity=t.identity, path=t.path, expected_manifest=h.manifest)
         d = self.deadlines
@@ -271,13 +250,13 @@ class CycleRunner:
                     mutating=False,
                 )
             except Exception as e:
-                report.outcome, report.reason = "refused", f"preflight: {e}"
+                report.outcome, report.reason = ReplicaOutcome.REFUSED, f"preflight: {e}"
                 raise CycleError(report) from e
 
         with timer("drain"):
             await self.commit(h, DrainRequested(t.generation, t.identity.digest))
             try:
-                aborted = await self._wait_drained(h)
+                aborted = await self._wait_drained(h, report)
             except CycleError:
                 raise
             except Exception as e:
@@ -338,13 +317,16 @@ class CycleRunner:
                 await self.commit(h, ResumeEvidence(200, paused))
         except Exception as e:
             await self._taint(h, step, e)
-            report.outcome, report.reason = "tainted", f"{step}: {type(e).__name__}: {e}"
+            report.outcome, report.reason = (
+                ReplicaOutcome.TAINTED,
+                f"{step}: {type(e).__name__}: {e}",
+            )
             raise CycleError(report) from e
         report.window_s = time.monotonic() - quiesced_at
-        report.outcome = "ready"
+        report.outcome = ReplicaOutcome.READY
         return report
 
-    async def _wait_drained(self, h: ReplicaHandle) -> list[str]:
+    async def _wait_drained(self, h: ReplicaHandle, report: ReplicaReport) -> list[str]:
         """Wait for the replica's active bindings to reach 0 (see :class:`DrainPolicy`)."""
         deadline = (
             time.monotonic() + self.drain_timeout_s
@@ -355,12 +337,8 @@ class CycleRunner:
             rec = await self.store.replica(h.replica_id)
             if rec.state is S.TAINTED:
                 h.lc = replace(h.lc, state=S.TAINTED, reason=rec.reason)
-                report = CycleReport(
-                    h.replica_id,
-                    h.lc.target.number if h.lc.target else -1,
-                    outcome="tainted",
-                    reason=f"tainted while draining: {rec.reason}",
-                )
+                report.outcome = ReplicaOutcome.TAINTED
+                report.reason = f"tainted while draining: {rec.reason}"
                 raise CycleError(report)
             if rec.active == 0:
                 return []
@@ -396,14 +374,14 @@ class CycleRunner:
         identity: WeightIdentity,
         probe: Probe,
         checkpoint: Path | None,
-    ) -> CycleReport:
+    ) -> ReplicaReport:
         """Bring a fresh engine (UNINITIALIZED or RECOVERING) to READY on ``generation``.
 
         ``checkpoint`` is loaded first when the engine was started on another one (a restarted
         replica joining at the latest generation). The engine must not be serving anyone (the
         store keeps it closed to admissions until the final commit). Any failure: TAINTED.
         """
-        report = CycleReport(h.replica_id, generation.number)
+        report = ReplicaReport(replica=h.replica_id, generation=generation.number)
         timer = _Timer(report)
         d = self.deadlines
         step = "bootstrap"
@@ -451,9 +429,12 @@ class CycleRunner:
         except Exception as e:
             if h.lc.state is not S.TAINTED:
                 await self._taint(h, step, e)
-            report.outcome, report.reason = "tainted", f"{step}: {type(e).__name__}: {e}"
+            report.outcome, report.reason = (
+                ReplicaOutcome.TAINTED,
+                f"{step}: {type(e).__name__}: {e}",
+            )
             raise CycleError(report) from e
-        report.outcome = "ready"
+        report.outcome = ReplicaOutcome.READY
         return report
 
     async def start_recovery(self, h: ReplicaHandle, reason: str) -> None:

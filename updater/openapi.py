@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from updater.service import UpdateRecord, UpdateRequest
+from pool.records import UpdateRecord
+from updater.api import UpdateRequest
 
 ERROR = {
     "type": "object",

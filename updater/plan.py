@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from pool.lifecycle import IN_UPDATE
 from pool.types import ReplicaRecord, ReplicaState
 
 S = ReplicaState
-_UPDATING = {S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING, S.RESUMING}
 
 
 def admitting(records: Sequence[ReplicaRecord], latest: int, max_staleness: int) -> list[str]:
@@ -44,7 +44,7 @@ def next_batch(
 ) -> list[str]:
     """Replica ids to start updating now (possibly empty: wait and ask again). Replicas in
     ``exclude`` (already tried in this update) are never chosen but still count as serving."""
-    out_now = sum(1 for r in records if r.state in _UPDATING)
+    out_now = sum(1 for r in records if r.state in IN_UPDATE)
     room = max_unavailable - out_now
     if room <= 0:
         return []

@@ -46,8 +46,9 @@ from router.app import start_server
 from testkit.models import marker_token
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import NAMESPACE, PROBE_PROMPT, marker, push, start_router, wait_http
+from updater.api import ProbeSpec, UpdateRequest
 from updater.app import create_app
-from updater.service import ProbeSpec, Updater, UpdateRequest
+from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
 S = ReplicaState

@@ -49,8 +49,9 @@ from pool.types import ReplicaState
 from testkit.fault_proxy import FaultProxy
 from testkit.models import ensure_model, marker_token
 from testkit.redis_server import RedisServer, free_port
+from updater.api import ProbeSpec, UpdateRequest
 from updater.cycle import Deadlines
-from updater.service import ProbeSpec, Updater, UpdateRequest
+from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
 S = ReplicaState

@@ -61,13 +61,13 @@ import httpx
 from pool.checkpoint import content_hash, read_manifest
 from pool.engine import VllmEngine
 from pool.launcher import LocalReplica, ReplicaSpec
+from pool.records import ReplicaReport
 from pool.settings import StoreSettings
 from pool.store import Admission, RedisStore
 from pool.types import BindingState, Generation, ReplicaState, WeightIdentity
 from testkit.models import ensure_model
 from updater.cycle import (
     CycleError,
-    CycleReport,
     CycleRunner,
     Deadlines,
     Probe,
@@ -467,7 +467,7 @@ async def _pool_path(
     g0, g1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
     id_a, id_b = identity_of(ckpts.a, 0), identity_of(ckpts.b, 1)
     boot = await runner.bootstrap(handle, g0, id_a, Probe(SHORT, ref_a_short), checkpoint=None)
-    timings["bootstrap"] = boot.to_dict()
+    timings["bootstrap"] = boot.model_dump(mode="json")
 
     # Warm the prefix cache on g0: as the router sends it (salt = label), and unsalted.
     warm_salted = [await routed(store, handle.engine, f"warm-salted-{i}", LONG) for i in (1, 2)]
@@ -488,7 +488,7 @@ async def _pool_path(
     t0 = time.monotonic()
     report = await runner.run(handle, target)
     timings["cycle_total_s"] = round(time.monotonic() - t0, 3)
-    timings["cycle"] = report.to_dict()
+    timings["cycle"] = report.model_dump(mode="json")
     rec = await store.replica(REPLICA_ID)
     _require(
         (rec.state, rec.generation, rec.label) == (ReplicaState.READY, 1, "g1"),
@@ -557,10 +557,10 @@ async def _bad_checkpoints(
         journal_before = len(await store.journal())
         t0 = time.monotonic()
         try:
-            report: CycleReport = await runner.run(handle, target)
-            outcome, reason = report.outcome, "accepted"
+            report: ReplicaReport = await runner.run(handle, target)
+            outcome, reason = str(report.outcome), "accepted"
         except CycleError as e:
-            outcome, reason = e.report.outcome, e.report.reason
+            outcome, reason = str(e.report.outcome), e.report.reason
         except Exception as e:  # not expected: record it, the checks below still run
             outcome, reason = "error", f"{type(e).__name__}: {e}"
         refusal_ms[name] = _ms(time.monotonic() - t0)

@@ -172,7 +172,7 @@ async def test_full_cycle_with_a_live_rollout(pool: Pool) -> None:
         "READY",
     ]
     assert await serve(p, "after", 8) == (marker_token(1),) * 8
-    print(f"cycle phases: {report.to_dict()} total {took:.2f}s")
+    print(f"cycle phases: {report.model_dump(mode='json')} total {took:.2f}s")
 
 
 async def test_bad_checkpoint_is_refused_before_any_mutation(pool: Pool, tmp_path: Path) -> None:

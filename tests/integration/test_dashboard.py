@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from pool.records import UpdateRecord, UpdateState
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
 from router.app import create_app, start_server
 from router.settings import RouterSettings
-from updater.service import UpdateRecord, UpdateState
 
 pytestmark = pytest.mark.integration
 S = ReplicaState
@@ -73,13 +73,15 @@ async def test_dashboard_in_headless_chromium(
         created_ms=1,
         replicas={
             "replica-0": {
+                "replica": "replica-0",
+                "generation": 3,
                 "outcome": "ready",
                 "window_s": 0.0812,
                 "phases": {"drain": 0.5, "transfer": 0.031, "validate": 0.04},
             }
         },
     )
-    await store.save_update(rec.id, rec.created_ms, rec.model_dump_json())
+    await store.save_update(rec)
 
     runner, port = await start_server(create_app(RouterSettings(), store_settings))
     try:

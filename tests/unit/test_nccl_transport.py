@@ -30,6 +30,7 @@ from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
 from pool.errors import AmbiguousMutation, DeadlineExceeded, NoMutation, PreflightFailed
 from pool.types import Manifest, TensorSpec, WeightIdentity
+from updater.deadline import bounded
 from updater.transports.base import WeightsTarget
 from updater.transports.nccl import (
     CheckpointSource,
@@ -45,7 +46,6 @@ from updater.transports.nccl import (
     api_family,
     check_versions,
 )
-from updater.watchdog import bounded
 
 SPECS = [
     TensorSpec(name="model.embed_tokens.weight", shape=(64, 8), dtype="bfloat16"),

@@ -31,7 +31,7 @@ fails ambiguously and the replica goes through recovery once more: safe, but slo
 **Blocking calls and deadlines.** ``/init_weight_transfer_engine`` and ``/update_weights`` block
 inside NCCL on the server and vLLM sets no timeout on a broadcast. They are sent from daemon
 threads, concurrently with the trainer-side join / broadcast (also in a daemon thread). The
-coroutine only awaits those threads, so the updater's watchdog (:func:`updater.watchdog.bounded`)
+coroutine only awaits those threads, so the updater's watchdog (:func:`updater.deadline.bounded`)
 can abandon it at any time: on cancellation the group is abandoned as above, the threads are
 left to die with their HTTP timeouts, and the cycle runner marks the replica TAINTED. A thread
 that ends with an error ends the transfer at once (a sender that died is noticed before the

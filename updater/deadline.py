@@ -1,14 +1,10 @@
-"""Deadlines around engine steps (I5), and the classification of their failures (I4).
+"""Deadlines around engine steps (I5).
 
 :func:`bounded` runs a step as its own task and stops *waiting* for it when the deadline passes,
 even if the step cannot be cancelled (an HTTP call that blocks inside an NCCL collective, run in
 a thread, keeps running): the step is abandoned, :class:`~pool.errors.DeadlineExceeded` is
-raised at the deadline, and the caller moves the replica to TAINTED. The abandoned task's
-eventual result or exception is consumed and logged, never raised.
-
-:func:`classify` maps any exception from a step to what is known about the engine:
-``NO_MUTATION`` only where the error proves nothing changed (``NoMutation``, ``PreflightFailed``,
-a read-only step), ``AMBIGUOUS`` otherwise.
+raised at the deadline, and the caller decides what that means (for a mutating step: TAINTED,
+I4). The abandoned task's eventual result or exception is consumed and logged, never raised.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ import logging
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from pool.errors import DeadlineExceeded, NoMutation, PreflightFailed
-from pool.evidence import FailureKind
+from pool.errors import DeadlineExceeded
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,12 +51,3 @@ async def bounded(step: str, aw: Awaitable[T], deadline_s: float, *, mutating: b
             f"{step} did not finish within {deadline_s:g} s", step=step, mutating=mutating
         )
     return task.result()
-
-
-def classify(exc: BaseException, *, mutating: bool) -> FailureKind:
-    """What a failure of a step says about the engine (see the module docstring)."""
-    if isinstance(exc, NoMutation | PreflightFailed):
-        return FailureKind.NO_MUTATION
-    if not mutating:
-        return FailureKind.NO_MUTATION
-    return FailureKind.AMBIGUOUS

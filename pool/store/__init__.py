@@ -1,0 +1,43 @@
+"""The Redis store: replicas, generations, bindings, the updater lease and the journal.
+
+Every state change is one atomic Lua script (compare-then-act, as in redis-py's
+``asyncio/lock.py``; :mod:`pool.store.scripts`), registered per store instance and documented
+with its KEYS, ARGV and return value. All keys share the hash tag ``{<namespace>}`` so one Redis
+Cluster slot holds the whole pool, and every key a script touches arrives through KEYS.
+
+Modules: :mod:`pool.store.scripts` (the Lua), :mod:`pool.store.keys` (key names),
+:mod:`pool.store.lease` (the updater lease, I8) and the :class:`RedisStore` facade.
+
+Keys (``{ns}`` = ``{rp}`` by default)::
+
+    {ns}:replicas              set of replica ids
+    {ns}:replica:<id>          hash: url state generation label identity capacity fence reason
+                               target_generation target_label target_identity updated_ms
+    {ns}:active:<id>           set of rollout ids with an active binding on the replica
+    {ns}:binding:<rollout>     hash: the Binding (kept ``binding_retention_s`` after release)
+    {ns}:leases                zset rollout id -> lease expiry (ms, Redis clock)
+    {ns}:latest                hash: number label identity (the published generation)
+    {ns}:generations           hash: number -> GenerationRecord JSON (declared generations)
+    {ns}:journal               stream: every admission, release, transition and publish
+    {ns}:gen_admissions        hash: generation number -> rollouts admitted on it
+    {ns}:updates               hash: update id -> pool.records.UpdateRecord JSON
+    {ns}:updates:order         zset: update id -> creation time (ms)
+    {ns}:updater:lease         the updater lease (value = fencing token)
+    {ns}:updater:fence         counter the fencing tokens are drawn from
+
+Concurrency and failure contracts:
+
+* Any number of routers may call :meth:`RedisStore.admit`/:meth:`release` concurrently; the
+  scripts serialize in Redis. Writes that move a replica's state require the updater lease's
+  fencing token (I8), except :meth:`taint`, which only ever closes admissions.
+* A cancelled call may or may not have run its script; every mutating script is idempotent or
+  reports ``already``/``conflict`` when retried, so callers can safely retry.
+* When Redis is unreachable every call raises :class:`~pool.errors.StoreUnavailable` (admissions
+  fail closed); nothing is cached locally.
+"""
+
+from pool.store._store import Admission, JournalEntry, RedisStore
+from pool.store.keys import Keys
+from pool.store.lease import UpdaterLease
+
+__all__ = ["Admission", "JournalEntry", "Keys", "RedisStore", "UpdaterLease"]

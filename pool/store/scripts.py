@@ -1,0 +1,209 @@
+"""The store's Lua scripts, one per atomic state change (compare-then-act, as in redis-py's
+``asyncio/lock.py``). Each is registered per :class:`~pool.store.RedisStore` instance; the comment
+above each gives its KEYS, ARGV and return value. Every key a script touches arrives through KEYS
+(all share the pool's hash tag, so one Redis Cluster slot holds them).
+"""
+
+# Shared Lua prelude: server clock in ms and a journal append.
+PRELUDE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function journal(key, maxlen, ...)
+  redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'ts', now, ...)
+end
+"""
+
+# ADMIT — bind a rollout to a replica if I1 holds, in one step.
+# KEYS[1] replica hash  KEYS[2] active set  KEYS[3] binding  KEYS[4] leases  KEYS[5] latest
+# KEYS[6] journal  KEYS[7] per-generation admission counts
+# ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] lease ttl ms  ARGV[4] max_staleness
+# ARGV[5] min_generation (-1: none)  ARGV[6] exact generation (-1: none)  ARGV[7] session 0|1
+# ARGV[8] journal maxlen
+# Returns {'ok', generation, label, identity, now} | {'refused', reason, detail}
+ADMIT = (
+    PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'refused', 'duplicate_rollout', ARGV[1]} end
+local r = redis.call('HMGET', KEYS[1], 'state', 'generation', 'label', 'identity', 'capacity')
+if not r[1] then return {'refused', 'unknown_replica', ARGV[2]} end
+if r[1] ~= 'READY' then return {'refused', 'not_ready', r[1]} end
+local latest = tonumber(redis.call('HGET', KEYS[5], 'number'))
+if not latest then return {'refused', 'no_generation', ''} end
+local g = tonumber(r[2])
+if g < latest - tonumber(ARGV[4]) then return {'refused', 'stale_generation', tostring(g)} end
+local ming, exact = tonumber(ARGV[5]), tonumber(ARGV[6])
+if ming >= 0 and g < ming then return {'refused', 'below_min_generation', tostring(g)} end
+if exact >= 0 and g ~= exact then return {'refused', 'generation_mismatch', tostring(g)} end
+if redis.call('SCARD', KEYS[2]) >= tonumber(r[5]) then
+  return {'refused', 'at_capacity', r[5]}
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], 'rollout_id', ARGV[1], 'replica_id', ARGV[2], 'generation', r[2],
+  'label', r[3], 'identity_digest', r[4], 'state', 'active', 'session', ARGV[7],
+  'created_ms', now, 'lease_expires_ms', now + tonumber(ARGV[3]), 'requests', 0,
+  'prompt_tokens', 0, 'completion_tokens', 0)
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HINCRBY', KEYS[7], r[2], 1)
+journal(KEYS[6], ARGV[8], 'type', 'admit', 'rollout', ARGV[1], 'replica', ARGV[2],
+  'generation', r[2])
+return {'ok', r[2], r[3], r[4], tostring(now)}
+"""
+)
+
+# RELEASE — end an active binding exactly once.
+# KEYS[1] binding  KEYS[2] active set of the binding's replica  KEYS[3] leases  KEYS[4] journal
+# ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] final state  ARGV[4] reason
+# ARGV[5] prompt tokens (added)  ARGV[6] completion tokens (added)  ARGV[7] retention ms
+# ARGV[8] journal maxlen
+# Returns {'ok'} | {'already', state} | {'unknown'} | {'mismatch', replica}
+RELEASE = (
+    PRELUDE
+    + """
+local b = redis.call('HMGET', KEYS[1], 'state', 'replica_id')
+if not b[1] then return {'unknown'} end
+if b[2] ~= ARGV[2] then return {'mismatch', b[2]} end
+if b[1] ~= 'active' then return {'already', b[1]} end
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'reason', ARGV[4], 'finished_ms', now)
+redis.call('HINCRBY', KEYS[1], 'prompt_tokens', tonumber(ARGV[5]))
+redis.call('HINCRBY', KEYS[1], 'completion_tokens', tonumber(ARGV[6]))
+redis.call('HDEL', KEYS[1], 'lease_expires_ms')
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[7]))
+redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+journal(KEYS[4], ARGV[8], 'type', 'release', 'rollout', ARGV[1], 'replica', ARGV[2],
+  'state', ARGV[3], 'reason', ARGV[4])
+return {'ok'}
+"""
+)
+
+# TOUCH — a request of an active binding: extend its lease, count the request and its tokens.
+# KEYS[1] binding  KEYS[2] leases
+# ARGV[1] rollout id  ARGV[2] lease ttl ms  ARGV[3] requests added  ARGV[4] prompt tokens added
+# ARGV[5] completion tokens added
+# Returns {'ok', expires_ms} | {'gone', state-or-''}
+TOUCH = (
+    PRELUDE
+    + """
+local s = redis.call('HGET', KEYS[1], 'state')
+if s ~= 'active' then return {'gone', s or ''} end
+local exp = now + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[2], 'XX', exp, ARGV[1])
+redis.call('HSET', KEYS[1], 'lease_expires_ms', exp)
+redis.call('HINCRBY', KEYS[1], 'requests', tonumber(ARGV[3]))
+redis.call('HINCRBY', KEYS[1], 'prompt_tokens', tonumber(ARGV[4]))
+redis.call('HINCRBY', KEYS[1], 'completion_tokens', tonumber(ARGV[5]))
+return {'ok', tostring(exp)}
+"""
+)
+
+# TRANSITION — fenced compare-and-set of a replica's state (also begin-drain and publish).
+# KEYS[1] replica hash  KEYS[2] updater lease  KEYS[3] active set  KEYS[4] latest
+# KEYS[5] journal
+# ARGV[1] replica id  ARGV[2] fencing token  ARGV[3] expected state  ARGV[4] new state
+# ARGV[5] reason  ARGV[6] generation ('' keeps)  ARGV[7] label  ARGV[8] identity
+# ARGV[9] publish 0|1  ARGV[10] target generation ('' clears)  ARGV[11] target label
+# ARGV[12] target identity  ARGV[13] journal maxlen
+# Returns {'ok', active} | {'stale_token', holder} | {'conflict', state} | {'active', count}
+#         | {'unknown'}
+# Entering QUIESCED or UPDATING requires zero active bindings (I2). Entering READY with
+# publish=1 moves {ns}:latest to the new generation if it is newer (first replica publishes).
+TRANSITION = (
+    PRELUDE
+    + """
+local holder = redis.call('GET', KEYS[2])
+if holder ~= ARGV[2] then return {'stale_token', holder or ''} end
+local s = redis.call('HGET', KEYS[1], 'state')
+if not s then return {'unknown'} end
+if s ~= ARGV[3] then return {'conflict', s} end
+local active = redis.call('SCARD', KEYS[3])
+if (ARGV[4] == 'QUIESCED' or ARGV[4] == 'UPDATING') and active > 0 then
+  return {'active', tostring(active)}
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[4], 'fence', ARGV[2], 'reason', ARGV[5],
+  'updated_ms', now)
+if ARGV[6] ~= '' then
+  redis.call('HSET', KEYS[1], 'generation', ARGV[6], 'label', ARGV[7], 'identity', ARGV[8])
+end
+if ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[1], 'target_generation', ARGV[10], 'target_label', ARGV[11],
+    'target_identity', ARGV[12])
+elseif ARGV[4] == 'READY' then
+  redis.call('HDEL', KEYS[1], 'target_generation', 'target_label', 'target_identity')
+end
+journal(KEYS[5], ARGV[13], 'type', 'transition', 'replica', ARGV[1], 'from', s, 'to', ARGV[4],
+  'fence', ARGV[2], 'generation', ARGV[6], 'reason', ARGV[5])
+if ARGV[9] == '1' and ARGV[4] == 'READY' then
+  local cur = tonumber(redis.call('HGET', KEYS[4], 'number'))
+  if (not cur) or cur < tonumber(ARGV[6]) then
+    redis.call('HSET', KEYS[4], 'number', ARGV[6], 'label', ARGV[7], 'identity', ARGV[8],
+      'published_ms', now)
+    journal(KEYS[5], ARGV[13], 'type', 'publish', 'generation', ARGV[6], 'label', ARGV[7],
+      'replica', ARGV[1], 'fence', ARGV[2])
+  end
+end
+return {'ok', tostring(active)}
+"""
+)
+
+# TAINT — close admissions on a replica from any state (no lease needed: it only restricts).
+# KEYS[1] replica hash  KEYS[2] journal
+# ARGV[1] replica id  ARGV[2] reason  ARGV[3] source  ARGV[4] journal maxlen
+# ARGV[5] expected state ('' = any)
+# Returns {'ok', previous} | {'unknown'} | {'conflict', state}
+TAINT = (
+    PRELUDE
+    + """
+local s = redis.call('HGET', KEYS[1], 'state')
+if not s then return {'unknown'} end
+if ARGV[5] ~= '' and s ~= ARGV[5] then return {'conflict', s} end
+if s == 'TAINTED' then return {'ok', s} end
+redis.call('HSET', KEYS[1], 'state', 'TAINTED', 'reason', ARGV[2], 'updated_ms', now)
+journal(KEYS[2], ARGV[4], 'type', 'transition', 'replica', ARGV[1], 'from', s, 'to', 'TAINTED',
+  'reason', ARGV[2], 'source', ARGV[3])
+return {'ok', s}
+"""
+)
+
+# DECLARE — record a generation the updater is about to roll out (write-once per number).
+# KEYS[1] generations  KEYS[2] updater lease  KEYS[3] latest  KEYS[4] journal
+# ARGV[1] number  ARGV[2] record JSON  ARGV[3] fencing token  ARGV[4] journal maxlen
+# Returns {'ok'} | {'exists'} (same record) | {'conflict', json} | {'stale_token', holder}
+#         | {'not_newer', latest}
+DECLARE = (
+    PRELUDE
+    + """
+local holder = redis.call('GET', KEYS[2])
+if holder ~= ARGV[3] then return {'stale_token', holder or ''} end
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if old then
+  if old == ARGV[2] then return {'exists'} end
+  return {'conflict', old}
+end
+local cur = tonumber(redis.call('HGET', KEYS[3], 'number'))
+if cur and cur >= tonumber(ARGV[1]) then return {'not_newer', tostring(cur)} end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+journal(KEYS[4], ARGV[4], 'type', 'declare', 'generation', ARGV[1], 'fence', ARGV[3])
+return {'ok'}
+"""
+)
+
+# REGISTER — add a replica (UNINITIALIZED) or update its url/capacity; fenced.
+# KEYS[1] replicas set  KEYS[2] replica hash  KEYS[3] updater lease  KEYS[4] journal
+# ARGV[1] replica id  ARGV[2] url  ARGV[3] capacity  ARGV[4] token  ARGV[5] journal maxlen
+# Returns {'ok', state} | {'stale_token', holder}
+REGISTER = (
+    PRELUDE
+    + """
+local holder = redis.call('GET', KEYS[3])
+if holder ~= ARGV[4] then return {'stale_token', holder or ''} end
+redis.call('SADD', KEYS[1], ARGV[1])
+local s = redis.call('HGET', KEYS[2], 'state')
+if not s then
+  s = 'UNINITIALIZED'
+  redis.call('HSET', KEYS[2], 'state', s, 'fence', ARGV[4], 'reason', '', 'updated_ms', now)
+  journal(KEYS[4], ARGV[5], 'type', 'register', 'replica', ARGV[1], 'url', ARGV[2])
+end
+redis.call('HSET', KEYS[2], 'url', ARGV[2], 'capacity', ARGV[3])
+return {'ok', s}
+"""
+)

@@ -1,0 +1,44 @@
+"""The request bodies of the updater's HTTP API (pydantic; validated at the edge).
+
+Responses are :class:`pool.records.UpdateRecord` (records both services read). The OpenAPI
+document (:mod:`updater.openapi`) is built from these models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ProbeSpec(BaseModel):
+    """The validation probe: the greedy output ``expected_token_ids`` that the new weights must
+    produce for ``prompt_token_ids`` (computed from the trainer's own model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token_ids: list[int] = Field(min_length=1, max_length=4096)
+    expected_token_ids: list[int] = Field(min_length=1, max_length=256)
+
+
+class UpdateRequest(BaseModel):
+    """``POST /v1/updates``: a checkpoint directory and what it is declared to be."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(min_length=1, description="absolute path of a safetensors directory")
+    label: str | None = Field(default=None, max_length=128)
+    trainer_run: str = ""
+    step: int | None = Field(default=None, ge=0)
+    content_hash: str | None = None
+    probe: ProbeSpec
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not Path(v).is_absolute():
+            raise ValueError("checkpoint must be an absolute path")
+        return v
+
+
+__all__ = ["ProbeSpec", "UpdateRequest"]

@@ -1,0 +1,185 @@
+"""Health supervision and recovery of the replicas one updater manages (I4, I6).
+
+Every ``health_interval_s`` the :class:`Supervisor` checks each replica that no cycle or
+recovery holds (its ``lock`` is free):
+
+* TAINTED in the store (a router's violation check, an admin) or in the controller → quarantine
+  (taint, abort its active bindings with a reason) and recover;
+* found mid-update with no cycle running (a step cut off, e.g. by a Redis outage) → its engine
+  state is unknown: taint and recover;
+* READY: process alive (local launcher) and ``/health`` within ``health_timeout_s``; after
+  ``health_failures`` misses in a row, or a dead process, → quarantine and recover.
+
+Recovery (``settings.recover``): a replica the updater launched is killed and started fresh, then
+brought up on the latest generation and validated before it is READY again. A replica someone
+else runs (Kubernetes, compose) stays quarantined until it has been seen down and answers again.
+
+Checks of different replicas run concurrently; recoveries run as their own tasks (at most one per
+replica). A failed recovery leaves the replica TAINTED; the next check tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Mapping
+
+from pool.errors import RolloutPoolError
+from pool.lifecycle import IN_UPDATE, Lifecycle
+from pool.metrics import UpdaterMetrics
+from pool.store import RedisStore
+from pool.types import ReplicaRecord, ReplicaState
+from updater.cycle import CycleRunner
+from updater.replicas import ManagedReplica, bring_up
+from updater.settings import UpdaterSettings
+
+log = logging.getLogger(__name__)
+S = ReplicaState
+#: States only a running cycle or recovery may hold: found there with none, a replica is orphaned.
+ORPHANABLE = IN_UPDATE | {S.RECOVERING, S.UNINITIALIZED}
+
+
+class Supervisor:
+    """See the module docstring. Not thread-safe; one event loop."""
+
+    def __init__(
+        self,
+        settings: UpdaterSettings,
+        store: RedisStore,
+        runner: CycleRunner,
+        replicas: Mapping[str, ManagedReplica],
+        metrics: UpdaterMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.runner = runner
+        self.replicas = replicas
+        self.metrics = metrics
+
+    async def run(self) -> None:
+        """Check every replica every ``health_interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            try:
+                records = {r.replica_id: r for r in await self.store.replicas()}
+            except RolloutPoolError as e:  # Redis away: no update step proceeds either
+                log.warning("supervisor: store unavailable: %s", e)
+                continue
+            replicas = list(self.replicas.values())
+            results = await asyncio.gather(
+                *(self.check(m, records.get(m.id)) for m in replicas), return_exceptions=True
+            )
+            for m, res in zip(replicas, results, strict=True):
+                if isinstance(res, Exception):  # e.g. Redis went away mid-check: next round
+                    log.warning("supervisor: check of %s failed: %r", m.id, res)
+
+    def cancel(self) -> None:
+        """Cancel recoveries in flight (the updater is stopping)."""
+        for m in self.replicas.values():
+            if m.recovering is not None:
+                m.recovering.cancel()
+
+    async def check(self, m: ManagedReplica, rec: ReplicaRecord | None) -> None:
+        """One check of ``m`` against its store record (see the module docstring)."""
+        if m.lock.locked() or (m.recovering is not None and not m.recovering.done()):
+            return
+        if (rec is not None and rec.state is S.TAINTED) or m.handle.lc.state is S.TAINTED:
+            reason = (rec.reason if rec is not None else "") or m.handle.lc.reason or "tainted"
+            if m.launcher is not None:
+                self._start_recovery(m, reason)
+            else:
+                await self._watch_external(m, reason)
+            return
+        if m.handle.lc.state in ORPHANABLE:
+            # no cycle or recovery holds it (checked above), yet it is mid-cycle: a step was
+            # cut off (e.g. by a Redis outage). Its engine state is unknown: taint and recover.
+            await self._orphaned(m, f"left in {m.handle.lc.state} with no cycle running")
+            return
+        if m.handle.lc.state is not S.READY:
+            return
+        alive = m.launcher.alive if m.launcher is not None else True
+        healthy = alive and await m.handle.engine.health(timeout_s=self.settings.health_timeout_s)
+        if healthy:
+            m.misses = 0
+            return
+        m.misses += 1
+        if not alive or m.misses >= self.settings.health_failures:
+            why = "process exited" if not alive else f"/health failed {m.misses} times"
+            reason = f"replica unhealthy: {why}"
+            if m.launcher is not None:
+                self._start_recovery(m, reason)
+            else:
+                await self.quarantine(m, reason)
+
+    async def _watch_external(self, m: ManagedReplica, reason: str) -> None:
+        """A TAINTED replica this updater did not launch (Kubernetes, compose): an external
+        supervisor must replace the process (delete the pod). Once the server has been seen
+        down and then answers again, it is a fresh process: re-join it at the latest generation.
+        """
+        if not m.quarantined:
+            await self.quarantine(m, reason)
+        if not await m.handle.engine.health(timeout_s=self.settings.health_timeout_s):
+            m.seen_down = True
+        elif m.seen_down:
+            m.recovering = asyncio.create_task(
+                self.recover(m, reason, restart=False), name=f"rejoin-{m.id}"
+            )
+
+    async def quarantine(self, m: ManagedReplica, reason: str) -> None:
+        """Taint (if not yet) and abort what is bound to it; idempotent."""
+        async with m.lock:
+            if m.handle.lc.state is not S.TAINTED:
+                await self.store.taint(m.id, reason, source="updater")
+                m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason)
+                if self.metrics is not None:
+                    self.metrics.taints.labels(m.id).inc()
+            aborted = await self.store.abort_active(m.id, f"replica tainted: {reason}")
+            if not m.quarantined:
+                log.warning(
+                    "replica %s tainted (%s); aborted %d rollouts", m.id, reason, len(aborted)
+                )
+            m.quarantined, m.seen_down = True, False
+
+    async def _orphaned(self, m: ManagedReplica, reason: str) -> None:
+        m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason)
+        await self.store.taint(m.id, reason, source="updater")
+        if m.launcher is not None:
+            self._start_recovery(m, reason)
+        else:
+            await self.quarantine(m, reason)
+
+    def _start_recovery(self, m: ManagedReplica, reason: str) -> None:
+        m.recovering = asyncio.create_task(self.recover(m, reason), name=f"recover-{m.id}")
+
+    async def recover(self, m: ManagedReplica, reason: str, *, restart: bool = True) -> None:
+        """Taint, abort what was bound to it, (re)start it fresh and re-join at the latest
+        generation (I6). ``restart=False``: the process was already replaced externally."""
+        t0 = time.monotonic()
+        await self.quarantine(m, reason)
+        if not self.settings.recover:
+            return
+        async with m.lock:
+            m.misses = 0
+            try:
+                await self.runner.start_recovery(m.handle, reason)
+                if restart and m.launcher is not None:
+                    m.launcher.kill(signal.SIGKILL)  # fresh start; a hung (SIGSTOPped) one too
+                    await m.launcher.restart()
+                self.runner.transport.forget(m.handle.engine.url)  # a fresh process
+                latest = await self.store.latest()
+                assert latest is not None
+                gen = await self.store.generation_record(latest[0].number)
+                await bring_up(self.runner, m, gen)
+                m.quarantined = False
+                result = "succeeded"
+                log.info("replica %s recovered in %.1fs", m.id, time.monotonic() - t0)
+            except (RolloutPoolError, AssertionError) as e:
+                result = "failed"
+                log.error("recovery of %s failed: %s", m.id, e)
+            if self.metrics is not None:
+                self.metrics.recoveries.labels(result).inc()
+
+
+__all__ = ["ORPHANABLE", "Supervisor"]
