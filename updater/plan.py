@@ -8,8 +8,8 @@ Rules (one update, target generation ``g``):
 * at most ``max_unavailable`` replicas out of READY at once (counting ones already out);
 * never fewer than ``min_serving`` admitting replicas: draining a candidate must leave at least
   ``min_serving`` READY replicas that admit (on the latest generation, within ``max_staleness``)
-  — except that the very first replica of an update may always go when no replica is on ``g`` yet
-  and ``min_serving`` could never be met otherwise (a pool of one replica).
+  — except that where ``min_serving`` can never be met (it is at least the number of replicas,
+  e.g. a pool of one), one replica at a time may go.
 """
 
 from __future__ import annotations
