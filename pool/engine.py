@@ -117,12 +117,23 @@ class EngineMetrics:
     """A scrape of ``/metrics``, each value summed over all label sets (engines, models).
 
     Prefix-cache counters count tokens (queried / served from cache) since server start.
+    ``process_start_time`` is the API server process's start (Unix seconds, prometheus_client's
+    ``process_start_time_seconds``; None where the server does not export it, e.g. vLLM with
+    several API server processes): it tells one server process from its successor.
     """
 
     prefix_cache_queries: int
     prefix_cache_hits: int
     requests_running: int
     requests_waiting: int
+    process_start_time: float | None = None
+
+    @property
+    def process(self) -> str | None:
+        """The serving process's identity: evidence that a restart happened when it changes."""
+        if self.process_start_time is None:
+            return None
+        return f"api-server-started:{self.process_start_time:.2f}"
 
 
 @dataclass(frozen=True)
@@ -527,8 +538,10 @@ class VllmEngine:
     # -- observation --------------------------------------------------------------------------
 
     async def metrics(self, *, timeout_s: float | None = None) -> EngineMetrics:
-        """Scrape ``/metrics``; prefix-cache counters and running/waiting gauges, summed."""
+        """Scrape ``/metrics``; prefix-cache counters and running/waiting gauges, summed, and the
+        API server's process start time."""
         r = await self._call("GET", "/metrics", mutating=False, timeout_s=timeout_s)
+        started: float | None = None
         wanted = {
             "vllm:prefix_cache_queries_total": 0.0,
             "vllm:prefix_cache_hits_total": 0.0,
@@ -540,6 +553,8 @@ class VllmEngine:
                 for sample in family.samples:
                     if sample.name in wanted:
                         wanted[sample.name] += sample.value
+                    elif sample.name == "process_start_time_seconds":
+                        started = sample.value
         except ValueError as e:
             raise self._unexpected(r, f"unparsable metrics ({e})", mutating=False) from e
         return EngineMetrics(
@@ -547,6 +562,7 @@ class VllmEngine:
             prefix_cache_hits=int(wanted["vllm:prefix_cache_hits_total"]),
             requests_running=int(wanted["vllm:num_requests_running"]),
             requests_waiting=int(wanted["vllm:num_requests_waiting"]),
+            process_start_time=started,
         )
 
     async def complete(

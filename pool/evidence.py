@@ -129,13 +129,21 @@ class ValidationEvidence:
 
 @dataclass(frozen=True)
 class BootstrapEvidence:
-    """A (fresh) engine is up on ``generation``: it answered one real completion and validated."""
+    """A (fresh) engine is up on ``generation``: it answered one real completion and validated.
+
+    ``process`` is the serving process's identity as the engine reported it (None: not
+    reported); ``loaded`` says this bootstrap loaded the generation's weights into that process
+    (rather than trusting what it was started with). Recovery (I6) needs both: a process other
+    than the tainted one, and the weights loaded from scratch.
+    """
 
     generation: Generation
     identity_digest: str
     engine_version: str
     validation: ValidationEvidence | None = None
     completion_ok: bool = False
+    process: str | None = None
+    loaded: bool = False
 
     @property
     def proves_serving(self) -> bool:

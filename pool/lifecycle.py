@@ -20,7 +20,7 @@ The happy path (invariants I2 and I3 fall out of it being the only path to a new
     VALIDATING --ValidationEvidence--> RESUMING --ResumeEvidence--> READY (target generation)
     DRAINING | QUIESCED --UpdateCancelled--> READY (old generation)
     * --StepFailed(AMBIGUOUS)--> TAINTED --RecoveryStarted--> RECOVERING
-    RECOVERING --BootstrapEvidence--> READY
+    RECOVERING --BootstrapEvidence--> READY   (only from a new process, weights loaded: I6)
 """
 
 from __future__ import annotations
@@ -54,13 +54,15 @@ class Lifecycle:
     """One replica's controller state.
 
     ``generation``/``identity`` are what the replica serves (meaningful in READY; kept as "last
-    known" elsewhere, never trusted in TAINTED). ``target``/``target_identity`` are set from
-    DRAINING until the update ends.
+    known" elsewhere, never trusted in TAINTED). ``process`` is the identity of the server
+    process that was bootstrapped (kept through TAINTED and RECOVERING: recovery must prove a
+    different one). ``target``/``target_identity`` are set from DRAINING until the update ends.
     """
 
     state: ReplicaState = S.UNINITIALIZED
     generation: Generation | None = None
     identity: str | None = None
+    process: str | None = None
     target: Generation | None = None
     target_identity: str | None = None
     reason: str = ""
@@ -105,7 +107,14 @@ def _bootstrap(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, BootstrapEvidence)
     if not ev.proves_serving:
         raise _refuse(lc, ev, "no successful completion or validation failed")
-    return Lifecycle(generation=ev.generation, identity=ev.identity_digest)
+    if lc.state is S.RECOVERING:  # I6: a fresh process, the weights loaded from scratch
+        if ev.process is None or ev.process == lc.process:
+            raise _refuse(
+                lc, ev, f"no evidence of a new process (was {lc.process}, now {ev.process})"
+            )
+        if not ev.loaded:
+            raise _refuse(lc, ev, "the generation's weights were not loaded from scratch")
+    return Lifecycle(generation=ev.generation, identity=ev.identity_digest, process=ev.process)
 
 
 def _drain_requested(lc: Lifecycle, ev: Event) -> Lifecycle:
@@ -174,7 +183,7 @@ def _resumed(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, ResumeEvidence)
     if not ev.proves_resumed:
         raise _refuse(lc, ev, f"http={ev.http_status} is_paused={ev.is_paused}")
-    return Lifecycle(generation=lc.target, identity=lc.target_identity)
+    return Lifecycle(generation=lc.target, identity=lc.target_identity, process=lc.process)
 
 
 def _recovery(lc: Lifecycle, ev: Event) -> Lifecycle:

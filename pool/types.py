@@ -127,7 +127,9 @@ class BindingState(StrEnum):
 
 
 class ReplicaRecord(_Frozen):
-    """A replica as the store sees it. ``generation`` is what it serves (None before bootstrap)."""
+    """A replica as the store sees it. ``generation`` is what it serves (None before bootstrap);
+    ``process`` is the identity of the server process its last bootstrap proved (see
+    :attr:`pool.engine.EngineMetrics.process`)."""
 
     replica_id: str
     url: str
@@ -140,6 +142,7 @@ class ReplicaRecord(_Frozen):
     fence: int = 0
     reason: str = ""
     updated_ms: int = 0
+    process: str | None = None
 
 
 class Binding(_Frozen):

@@ -186,7 +186,10 @@ class CycleRunner:
         kw: dict[str, Any] = {"reason": reason or after.reason}
         if after.state is S.READY and after.generation is not None:
             kw.update(
-                generation=after.generation, identity_digest=after.identity or "", publish=True
+                generation=after.generation,
+                identity_digest=after.identity or "",
+                publish=True,
+                process=after.process,
             )
         if after.state is S.DRAINING and after.target is not None:
             kw.update(target=after.target, target_identity=after.target_identity or "")
@@ -377,9 +380,11 @@ class CycleRunner:
     ) -> ReplicaReport:
         """Bring a fresh engine (UNINITIALIZED or RECOVERING) to READY on ``generation``.
 
-        ``checkpoint`` is loaded first when the engine was started on another one (a restarted
-        replica joining at the latest generation). The engine must not be serving anyone (the
-        store keeps it closed to admissions until the final commit). Any failure: TAINTED.
+        ``checkpoint`` is loaded first (None: trust what the process was started with, only for a
+        replica joining for the first time; recovery always loads, I6). The engine must not be
+        serving anyone (the store keeps it closed to admissions until the final commit). The
+        server process's identity is read before the load and again after validation; a change
+        in between (a restart mid-bootstrap) is a failure. Any failure: TAINTED.
         """
         report = ReplicaReport(replica=h.replica_id, generation=generation.number)
         timer = _Timer(report)
@@ -388,6 +393,7 @@ class CycleRunner:
         try:
             with timer("bootstrap"):
                 caps = await bounded("bootstrap", h.engine.bootstrap(), d.resume_s, mutating=False)
+                process = (await h.engine.metrics(timeout_s=d.resume_s)).process
             if checkpoint is not None:
                 target = WeightsTarget(
                     identity=identity, path=checkpoint, expected_manifest=h.manifest
@@ -421,8 +427,16 @@ class CycleRunner:
                 valid = await bounded(
                     "validate", self.validate(h, generation, probe), d.validate_s, mutating=True
                 )
+            if (await h.engine.metrics(timeout_s=d.resume_s)).process != process:
+                raise LifecycleError("the server process changed during the bootstrap")
             ev_boot = BootstrapEvidence(
-                generation, identity.digest, caps.version, valid, completion_ok=True
+                generation,
+                identity.digest,
+                caps.version,
+                valid,
+                completion_ok=True,
+                process=process,
+                loaded=checkpoint is not None,
             )
             step = "commit"
             await self.commit(h, ev_boot)

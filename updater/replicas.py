@@ -29,20 +29,23 @@ class ManagedReplica:
     misses: int = 0  # consecutive failed health checks
     recovering: asyncio.Task[None] | None = None
     quarantined: bool = False  # tainted and its bindings aborted; waiting for recovery
-    seen_down: bool = False  # (external replicas) the server was unreachable since quarantine
 
     @property
     def id(self) -> str:
         return self.config.id
 
 
-async def bring_up(runner: CycleRunner, m: ManagedReplica, gen: GenerationRecord) -> ReplicaReport:
+async def bring_up(
+    runner: CycleRunner, m: ManagedReplica, gen: GenerationRecord, *, from_scratch: bool
+) -> ReplicaReport:
     """Bootstrap ``m`` (UNINITIALIZED or RECOVERING, engine not serving) to READY on ``gen``:
-    load ``gen``'s checkpoint unless the process was started on it, reset, validate, commit.
-    Raises :class:`~updater.cycle.CycleError` (the replica is then TAINTED). The caller holds
-    ``m.lock``."""
+    load ``gen``'s checkpoint, reset, validate, commit. Without ``from_scratch`` (a replica's
+    first join only) the load is skipped when the process was started on that checkpoint;
+    recovery always loads (I6). Raises :class:`~updater.cycle.CycleError` (the replica is then
+    TAINTED). The caller holds ``m.lock``."""
     started_on = (m.config.launch.model if m.config.launch else m.config.model).resolve()
-    checkpoint = None if Path(gen.checkpoint) == started_on else Path(gen.checkpoint)
+    same = Path(gen.checkpoint) == started_on
+    checkpoint = None if same and not from_scratch else Path(gen.checkpoint)
     probe = Probe(gen.probe_prompt, gen.probe_expected)
     return await runner.bootstrap(m.handle, gen.generation, gen.identity, probe, checkpoint)
 

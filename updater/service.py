@@ -29,7 +29,7 @@ from typing import Any
 
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
-from pool.errors import RolloutPoolError
+from pool.errors import EngineError, RolloutPoolError
 from pool.launcher import LocalReplica
 from pool.lifecycle import Lifecycle
 from pool.metrics import UpdaterMetrics
@@ -42,7 +42,7 @@ from updater.cycle import CycleError, CycleRunner, Probe, ReplicaHandle, UpdateT
 from updater.pending import PendingUpdate, PendingUpdates
 from updater.replicas import ManagedReplica, bring_up
 from updater.settings import UpdaterSettings
-from updater.supervisor import Supervisor
+from updater.supervisor import WAITING_FOR_RESTART, Supervisor
 from updater.transports.base import Transport, WeightsTarget
 from updater.transports.nccl import NcclTransport
 from updater.transports.reload import ReloadTransport
@@ -116,6 +116,8 @@ class Updater:
         self.ready.set()
 
     async def stop(self, *, stop_replicas: bool = True) -> None:
+        """Stop acting and give the lease up. With ``stop_replicas``, the replicas this updater
+        launched are tainted first (routers stop admitting to them at once), then stopped."""
         for t in self._tasks:
             t.cancel()
         self.supervisor.cancel()
@@ -126,6 +128,9 @@ class Updater:
         for m in self.replicas.values():
             await m.handle.engine.aclose()
             if stop_replicas and m.launcher is not None:
+                # routers must stop admitting before the process goes (no lease needed)
+                with contextlib.suppress(RolloutPoolError):
+                    await self.store.taint(m.id, "stopped with its updater", source="updater")
                 await m.launcher.stop()
         await self.lease.release()
 
@@ -176,8 +181,16 @@ class Updater:
         await asyncio.gather(*(self._join(m, gen) for m in self.replicas.values()))
 
     async def _join(self, m: ManagedReplica, gen: GenerationRecord) -> None:
-        """Register ``m`` and bring it to READY on ``gen``; a replica left mid-cycle or READY by
-        an earlier updater is not trusted: tainted and re-bootstrapped (fresh where launched)."""
+        """Register ``m`` and bring it to READY on ``gen``.
+
+        A replica registered for the first time is bootstrapped on what it was started with
+        (``gen``'s checkpoint loaded if that is another one). A replica an earlier updater left
+        behind is adopted only if it is READY on ``gen`` and still the very server process that
+        was validated (its weights cannot have changed since: that needs a fenced transition
+        out of READY). Anything else is not trusted: it is tainted, and recovered only from a
+        new process with ``gen`` loaded from scratch (I6) — now, if this updater just launched
+        it, else once its orchestrator has restarted it (the supervisor watches for that).
+        """
         token = self.lease.require()
         state = await self.store.register_replica(
             m.id, m.handle.engine.url, token, capacity=m.config.capacity
@@ -185,17 +198,50 @@ class Updater:
         async with m.lock:
             if state is S.UNINITIALIZED:
                 m.handle.lc = Lifecycle()
-            else:
-                await self.store.taint(
-                    m.id, "updater (re)start: state not trusted", source="updater"
+                await self._bring_up(m, gen, from_scratch=False)
+                return
+            rec = await self.store.replica(m.id)
+            current = await self._process(m)
+            if (
+                rec.state is S.READY
+                and rec.generation == gen.generation.number
+                and rec.process is not None
+                and current == rec.process
+            ):
+                await m.handle.engine.bootstrap()
+                m.handle.lc = Lifecycle(
+                    S.READY, gen.generation, rec.identity_digest, process=rec.process
                 )
-                await self.store.abort_active(m.id, "updater restart")
-                m.handle.lc = Lifecycle(state=S.TAINTED)
-                await self.runner.start_recovery(m.handle, "updater (re)start")
-            try:
-                await bring_up(self.runner, m, gen)
-            except CycleError as e:
-                log.error("replica %s failed to join: %s", m.id, e)
+                log.info("replica %s adopted: READY on %s, same process", m.id, gen.generation)
+                return
+            reason = f"updater (re)start found it {rec.state}: not trusted"
+            await self.store.taint(m.id, reason, source="updater")
+            await self.store.abort_active(m.id, "updater restart")
+            m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason, process=rec.process)
+            m.quarantined = True
+            if current is None or current == rec.process:  # not a new process (or unknown)
+                waiting = f"{reason}; {WAITING_FOR_RESTART}"
+                await self.store.transition(m.id, token, S.TAINTED, S.TAINTED, reason=waiting)
+                return
+            await self.runner.start_recovery(m.handle, reason)
+            await self._bring_up(m, gen, from_scratch=True)
+
+    async def _bring_up(
+        self, m: ManagedReplica, gen: GenerationRecord, *, from_scratch: bool
+    ) -> None:
+        try:
+            await bring_up(self.runner, m, gen, from_scratch=from_scratch)
+            m.quarantined = False
+        except CycleError as e:
+            log.error("replica %s failed to join: %s", m.id, e)
+
+    async def _process(self, m: ManagedReplica) -> str | None:
+        """The replica's server process identity now (None: unreachable or not reported)."""
+        try:
+            metrics = await m.handle.engine.metrics(timeout_s=self.settings.health_timeout_s)
+        except EngineError:
+            return None
+        return metrics.process
 
     # ------------------------------------------------------------------ updates
 

@@ -10,9 +10,13 @@ recovery holds (its ``lock`` is free):
 * READY: process alive (local launcher) and ``/health`` within ``health_timeout_s``; after
   ``health_failures`` misses in a row, or a dead process, → quarantine and recover.
 
-Recovery (``settings.recover``): a replica the updater launched is killed and started fresh, then
-brought up on the latest generation and validated before it is READY again. A replica someone
-else runs (Kubernetes, compose) stays quarantined until it has been seen down and answers again.
+Recovery (``settings.recover``, I6) needs a *new server process*: a replica the updater launched
+is killed and started fresh; a replica someone else runs (Kubernetes, compose) stays TAINTED, its
+reason saying that it waits for its orchestrator to restart it, until the engine reports a
+process identity (:attr:`pool.engine.EngineMetrics.process`) other than the tainted one. A slow
+or failed ``/health`` is never such evidence. Either way the latest generation is then loaded
+from scratch (even when the process was started on it) and validated before it is READY again,
+and the lifecycle controller refuses the commit without both proofs.
 
 Checks of different replicas run concurrently; recoveries run as their own tasks (at most one per
 replica). A failed recovery leaves the replica TAINTED; the next check tries again.
@@ -25,9 +29,10 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
-from pool.errors import RolloutPoolError
-from pool.lifecycle import IN_UPDATE, Lifecycle
+from pool.errors import EngineError, RolloutPoolError
+from pool.lifecycle import IN_UPDATE
 from pool.metrics import UpdaterMetrics
 from pool.store import RedisStore
 from pool.types import ReplicaRecord, ReplicaState
@@ -39,6 +44,10 @@ log = logging.getLogger(__name__)
 S = ReplicaState
 #: States only a running cycle or recovery may hold: found there with none, a replica is orphaned.
 ORPHANABLE = IN_UPDATE | {S.RECOVERING, S.UNINITIALIZED}
+WAITING_FOR_RESTART = (
+    "waiting for a new server process: restart this replica through its orchestrator "
+    "(e.g. delete its pod); the updater cannot restart a replica it did not launch"
+)
 
 
 class Supervisor:
@@ -114,36 +123,44 @@ class Supervisor:
                 await self.quarantine(m, reason)
 
     async def _watch_external(self, m: ManagedReplica, reason: str) -> None:
-        """A TAINTED replica this updater did not launch (Kubernetes, compose): an external
-        supervisor must replace the process (delete the pod). Once the server has been seen
-        down and then answers again, it is a fresh process: re-join it at the latest generation.
+        """A TAINTED replica this updater did not launch (Kubernetes, compose): its orchestrator
+        must replace the process (delete the pod). Once the engine reports another process
+        identity than the tainted one, re-join it at the latest generation, loaded from scratch.
         """
         if not m.quarantined:
-            await self.quarantine(m, reason)
-        if not await m.handle.engine.health(timeout_s=self.settings.health_timeout_s):
-            m.seen_down = True
-        elif m.seen_down:
+            await self.quarantine(m, f"{reason}; {WAITING_FOR_RESTART}")
+        try:
+            current = (
+                await m.handle.engine.metrics(timeout_s=self.settings.health_timeout_s)
+            ).process
+        except EngineError:
+            return  # down or slow: no evidence either way
+        if current is not None and current != m.handle.lc.process:
             m.recovering = asyncio.create_task(
                 self.recover(m, reason, restart=False), name=f"rejoin-{m.id}"
             )
 
     async def quarantine(self, m: ManagedReplica, reason: str) -> None:
-        """Taint (if not yet) and abort what is bound to it; idempotent."""
+        """Taint (if not yet) and abort what is bound to it; idempotent. The store's reason
+        becomes ``reason`` (so it says what recovery waits for)."""
         async with m.lock:
             if m.handle.lc.state is not S.TAINTED:
                 await self.store.taint(m.id, reason, source="updater")
-                m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason)
+                m.handle.lc = replace(m.handle.lc, state=S.TAINTED, reason=reason)
                 if self.metrics is not None:
                     self.metrics.taints.labels(m.id).inc()
             aborted = await self.store.abort_active(m.id, f"replica tainted: {reason}")
+            await self.store.transition(
+                m.id, self.runner.lease.require(), S.TAINTED, S.TAINTED, reason=reason
+            )
             if not m.quarantined:
                 log.warning(
                     "replica %s tainted (%s); aborted %d rollouts", m.id, reason, len(aborted)
                 )
-            m.quarantined, m.seen_down = True, False
+            m.quarantined = True
 
     async def _orphaned(self, m: ManagedReplica, reason: str) -> None:
-        m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason)
+        m.handle.lc = replace(m.handle.lc, state=S.TAINTED, reason=reason)
         await self.store.taint(m.id, reason, source="updater")
         if m.launcher is not None:
             self._start_recovery(m, reason)
@@ -171,7 +188,7 @@ class Supervisor:
                 latest = await self.store.latest()
                 assert latest is not None
                 gen = await self.store.generation_record(latest[0].number)
-                await bring_up(self.runner, m, gen)
+                await bring_up(self.runner, m, gen, from_scratch=True)
                 m.quarantined = False
                 result = "succeeded"
                 log.info("replica %s recovered in %.1fs", m.id, time.monotonic() - t0)

@@ -298,6 +298,7 @@ class RedisStore:
         publish: bool = False,
         target: Generation | None = None,
         target_identity: str = "",
+        process: str | None = None,
     ) -> int:
         """Fenced compare-and-set ``expected`` → ``new``. Returns the replica's active count.
 
@@ -329,6 +330,7 @@ class RedisStore:
                 "" if target is None else target.label,
                 target_identity,
                 self._maxlen,
+                process or "",
             ],
         )
         self._check_token(out, token)
@@ -463,6 +465,7 @@ class RedisStore:
                     fence=int(h.get("fence", 0)),
                     reason=h.get("reason", ""),
                     updated_ms=int(h.get("updated_ms", 0)),
+                    process=h.get("process") or None,
                 )
             )
         return out

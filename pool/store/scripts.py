@@ -103,6 +103,7 @@ return {'ok', tostring(exp)}
 # ARGV[5] reason  ARGV[6] generation ('' keeps)  ARGV[7] label  ARGV[8] identity
 # ARGV[9] publish 0|1  ARGV[10] target generation ('' clears)  ARGV[11] target label
 # ARGV[12] target identity  ARGV[13] journal maxlen
+# ARGV[14] identity of the serving process ('' keeps)
 # Returns {'ok', active} | {'stale_token', holder} | {'conflict', state} | {'active', count}
 #         | {'unknown'}
 # Entering QUIESCED or UPDATING requires zero active bindings (I2). Entering READY with
@@ -124,6 +125,7 @@ redis.call('HSET', KEYS[1], 'state', ARGV[4], 'fence', ARGV[2], 'reason', ARGV[5
 if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'generation', ARGV[6], 'label', ARGV[7], 'identity', ARGV[8])
 end
+if ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'process', ARGV[14]) end
 if ARGV[10] ~= '' then
   redis.call('HSET', KEYS[1], 'target_generation', ARGV[10], 'target_label', ARGV[11],
     'target_identity', ARGV[12])

@@ -29,7 +29,7 @@ PROBE = (5, 6, 7)
 
 
 def boot(gen: Generation = G0, ident: str = "id0") -> BootstrapEvidence:
-    return BootstrapEvidence(gen, ident, "0.32.0", completion_ok=True)
+    return BootstrapEvidence(gen, ident, "0.32.0", completion_ok=True, process="p0")
 
 
 def valid(
@@ -142,8 +142,40 @@ def test_tainted_recovers_only_through_fresh_bootstrap() -> None:
     bad = BootstrapEvidence(G1, "id1", "0.32.0", validation=valid(actual=(1,)), completion_ok=True)
     with pytest.raises(PostconditionFailed):
         advance(lc, bad)
-    good = BootstrapEvidence(G1, "id1", "0.32.0", validation=valid(), completion_ok=True)
+    good = BootstrapEvidence(
+        G1, "id1", "0.32.0", validation=valid(), completion_ok=True, process="p1", loaded=True
+    )
     assert advance(lc, good).state is S.READY
+    assert advance(lc, good).process == "p1"
+
+
+@pytest.mark.parametrize(
+    ("process", "loaded", "why"),
+    [
+        ("p0", True, "no evidence of a new process"),  # the tainted process itself
+        (None, True, "no evidence of a new process"),  # identity not reported: unprovable
+        ("p1", False, "not loaded from scratch"),  # a new process, trusted as started
+    ],
+)
+def test_recovery_needs_a_new_process_and_weights_loaded_from_scratch(
+    process: str | None, loaded: bool, why: str
+) -> None:
+    """Audit finding (issue 11, High): a replica tainted mid-transfer was published READY again
+    on the same process with no reload. I6: recovery proves a new process and a fresh load."""
+    lc = advance(walk(S.UPDATING), StepFailed("transfer", FailureKind.AMBIGUOUS, "hung"))
+    assert lc.process == "p0"
+    lc = advance(lc, RecoveryStarted("restart"))
+    ev = BootstrapEvidence(
+        G0,
+        "id0",
+        "0.32.0",
+        validation=valid(G0, label="g0"),
+        completion_ok=True,
+        process=process,
+        loaded=loaded,
+    )
+    with pytest.raises(PostconditionFailed, match=why):
+        advance(lc, ev)
 
 
 def test_cancel_returns_to_old_generation_only_after_resume() -> None:

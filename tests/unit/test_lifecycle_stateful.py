@@ -102,6 +102,7 @@ class PoolMachine(RuleBasedStateMachine):
             kw.setdefault("generation", after.generation)
             kw.setdefault("identity_digest", after.identity or "")
             kw.setdefault("publish", True)
+            kw.setdefault("process", after.process)
         if before.state is S.READY and after.state is S.DRAINING:
             assert after.target is not None
             kw.setdefault("target", after.target)
@@ -118,9 +119,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.token = self.run(self.lease.acquire())
         for rid in REPLICAS:
             self.run(self.store.register_replica(rid, f"http://{rid}", self.token, capacity=3))
-            assert self.commit(
-                rid, BootstrapEvidence(self.gen(0), ident(0), "0.32.0", completion_ok=True)
-            )
+            ev = BootstrapEvidence(self.gen(0), ident(0), "0.32.0", completion_ok=True, process="p")
+            assert self.commit(rid, ev)
 
     # ------------------------------------------------------------------ data plane
 
@@ -221,14 +221,29 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             assert self.lc[rid] == before
 
-    @rule(rid=st.sampled_from(REPLICAS), completion_ok=st.booleans())
-    def recover(self, rid: str, completion_ok: bool) -> None:
+    @rule(rid=st.sampled_from(REPLICAS), completion_ok=st.booleans(), fresh=st.booleans())
+    def recover(self, rid: str, completion_ok: bool, fresh: bool) -> None:
+        """I6: only a new process with the weights loaded from scratch leaves RECOVERING."""
         self.commit(rid, RecoveryStarted("restart"))
+        recovering = self.lc[rid].state is S.RECOVERING
+        tainted_process = self.lc[rid].process
         g = self.gen(self.latest)
         v = ValidationEvidence(g, LabelEvidence(True, g.label), PROBE, PROBE)
-        ev = BootstrapEvidence(g, ident(self.latest), "0.32.0", v, completion_ok=completion_ok)
-        if self.commit(rid, ev):
+        ev = BootstrapEvidence(
+            g,
+            ident(self.latest),
+            "0.32.0",
+            v,
+            completion_ok=completion_ok,
+            process=f"p{self.n}-{rid}" if fresh else tainted_process,
+            loaded=fresh,
+        )
+        recovered = self.commit(rid, ev)
+        if recovering:
+            assert recovered == (completion_ok and fresh)
+        if recovered:
             self.ambiguous[rid] = False
+        self.n += 1
 
     @precondition(lambda self: self.n % 7 == 3)
     @rule()
