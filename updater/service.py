@@ -152,7 +152,7 @@ class Updater:
         settings: UpdaterSettings,
         store: RedisStore,
         *,
-        transport: Transport[WeightsTarget] | None = None,
+        transport: Transport | None = None,
         metrics: UpdaterMetrics | None = None,
         coalesce: bool = True,
     ) -> None:

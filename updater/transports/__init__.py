@@ -6,6 +6,6 @@
 """
 
 from updater.transports.base import Transport, WeightsTarget
-from updater.transports.reload import ReloadTarget, ReloadTransport
+from updater.transports.reload import ReloadTransport
 
-__all__ = ["ReloadTarget", "ReloadTransport", "Transport", "WeightsTarget"]
+__all__ = ["ReloadTransport", "Transport", "WeightsTarget"]

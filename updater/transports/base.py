@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar
 
 from pool.engine import VllmEngine
 from pool.evidence import TransferEvidence
@@ -47,23 +47,21 @@ class WeightsTarget:
     expected_manifest: Manifest
 
 
-TTarget = TypeVar("TTarget")
-
-
-class Transport(ABC, Generic[TTarget]):
-    """Moves the weights described by a ``TTarget`` into one engine. See the module contract."""
+class Transport(ABC):
+    """Moves the weights described by a :class:`WeightsTarget` into one engine. See the module
+    contract."""
 
     #: Registry name, recorded in :attr:`TransferEvidence.transport`.
     name: ClassVar[str]
 
     @abstractmethod
-    async def preflight(self, engine: VllmEngine, target: TTarget) -> None:
+    async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:
         """Refuse ``target`` with PreflightFailed unless it can be applied. Never mutates."""
 
-    def forget(self, url: str) -> None:
+    def forget(self, url: str) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Drop per-replica state (e.g. an NCCL group) after the replica at ``url`` restarted."""
 
     @abstractmethod
-    async def transfer(self, engine: VllmEngine, target: TTarget) -> TransferEvidence:
+    async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
         """Load ``target`` into ``engine`` (paused). Exceptions other than PreflightFailed /
         NoMutation mean the engine's weights are unknown."""

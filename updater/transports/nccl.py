@@ -824,7 +824,7 @@ class _Replica:
     last: dict[str, Any] = field(default_factory=dict)
 
 
-class NcclTransport(Transport[WeightsTarget]):
+class NcclTransport(Transport):
     """Broadcasts weights to one paused replica at a time over a per-replica NCCL group.
 
     ``source``: a :class:`WeightSource` (in-process mode) or None (service mode: each target's

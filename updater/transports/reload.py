@@ -29,13 +29,10 @@ from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
 from pool.evidence import TransferEvidence
 from updater.transports.base import Transport, WeightsTarget
 
-__all__ = ["ReloadTarget", "ReloadTransport"]
+__all__ = ["ReloadTransport"]
 
 
-ReloadTarget = WeightsTarget  # the reload transport's name for the shared target type
-
-
-class ReloadTransport(Transport[ReloadTarget]):
+class ReloadTransport(Transport):
     """Reload weights from disk through ``/collective_rpc``.
 
     ``timeout_s`` bounds the RPC (the engine loop is blocked while it runs). With
@@ -49,7 +46,7 @@ class ReloadTransport(Transport[ReloadTarget]):
         self.timeout_s = timeout_s
         self.verify_content_hash = verify_content_hash
 
-    async def preflight(self, engine: VllmEngine, target: ReloadTarget) -> None:
+    async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:
         """Refuse ``target`` (``PreflightFailed``, with details in ``context``) unless it is
         loadable and is what its identity declares. Reads local files only; the engine is not
         contacted, so it is never mutated."""
@@ -92,7 +89,7 @@ class ReloadTransport(Transport[ReloadTarget]):
                     **ctx,
                 )
 
-    async def transfer(self, engine: VllmEngine, target: ReloadTarget) -> TransferEvidence:
+    async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
         """``reload_weights(weights_path=...)`` on every worker of the (paused) engine.
 
         Before the RPC, refuses without mutation if the directory vanished
