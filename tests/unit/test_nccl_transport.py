@@ -304,7 +304,8 @@ def test_checkpoint_source_order_and_service_mode_refusals(tmp_path: Path) -> No
     assert [s.name for s in src.specs()] == [s.name for s in SPECS]  # file (offset) order
     assert src.manifest() == read_manifest(ckpt) == Manifest.of(SPECS)
     assert src.spec() == SourceSpec(
-        "updater.transports.nccl:CheckpointSource", (("path", str(ckpt)), ("device", "cuda:0"))
+        "updater.transports.nccl.sources:CheckpointSource",
+        (("path", str(ckpt)), ("device", "cuda:0")),
     )
 
     server = FakeServer()
