@@ -52,10 +52,15 @@ from pool.types import Manifest, TensorSpec
 from updater.transports.base import Transport, WeightsTarget
 from updater.transports.nccl.config import NcclConfig, Packing
 from updater.transports.nccl.control import HttpStepError, HttpWeightSyncClient
-from updater.transports.nccl.senders import ProcessSender, Sender, ThreadSender
+from updater.transports.nccl.senders import (
+    ProcessSender,
+    Rendezvous,
+    Sender,
+    ThreadSender,
+    WireSource,
+)
 from updater.transports.nccl.sources import (
     CheckpointSource,
-    SourceSpec,
     WeightSource,
     nbytes_of,
 )
@@ -180,7 +185,7 @@ class NcclTransport(Transport):
             src = self._checkpoints[path]
         return src
 
-    def _wire(self, src: WeightSource) -> WeightSource | SourceSpec:
+    def _wire(self, src: WeightSource) -> WireSource:
         if isinstance(self.sender, ProcessSender):
             spec = src.spec()
             if spec is None:
@@ -260,9 +265,7 @@ class NcclTransport(Transport):
         if self.source is None:  # service mode: load now, outside the paused window
             wire = self._wire(src)
             try:
-                await asyncio.wrap_future(
-                    _spawn(self.sender.call, "prepare", wire, name="nccl-prepare")
-                )
+                await asyncio.wrap_future(_spawn(self.sender.prepare, wire, name="nccl-prepare"))
             except Exception as e:
                 raise PreflightFailed(
                     f"cannot load {target.path} onto {self.config.device}: {e}",
@@ -297,11 +300,7 @@ class NcclTransport(Transport):
                 timings.update(
                     await asyncio.wrap_future(
                         _spawn(
-                            self.sender.call,
-                            "factory_send",
-                            group.key,
-                            wire,
-                            name=f"nccl-send-{group.key}",
+                            self.sender.factory_send, group.key, wire, name=f"nccl-send-{group.key}"
                         )
                     )
                 )
@@ -339,7 +338,7 @@ class NcclTransport(Transport):
         timings: dict[str, Any],
     ) -> _Group:
         g = rep.group
-        epoch = getattr(self.sender, "epoch", 0)
+        epoch = self.sender.epoch
         if g is not None and (
             g.family != family or g.epoch != epoch or (family == "factory" and g.packing != packing)
         ):
@@ -354,47 +353,30 @@ class NcclTransport(Transport):
         except ValueError as e:
             raise NoMutation(str(e), url=url) from e
         key = f"{url}#{rep.incarnation}"
-        addr = self.config.master_address
+        at = Rendezvous(key, self.config.master_address, port, ws)
         t0 = time.monotonic()
         timings["step"] = "init"
         try:
             if family == "static":
-                client = self._client(url)
                 init_info = {
-                    "master_address": addr,
-                    "master_port": port,
+                    "master_address": at.address,
+                    "master_port": at.port,
                     "rank_offset": 1,
-                    "world_size": ws,
+                    "world_size": at.world_size,
                 }
-                limit = self.config.init_timeout_s
                 await _gather_threads(
                     _spawn(
-                        lambda: client.post(
-                            "/init_weight_transfer_engine",
-                            {"init_info": init_info},
-                            timeout_s=limit,
-                        ),
+                        self._client(url).init_weight_transfer_engine,
+                        init_info,
                         name=f"nccl-init-http-{key}",
                     ),
-                    _spawn(
-                        self.sender.call,
-                        "static_init",
-                        key,
-                        addr,
-                        port,
-                        ws,
-                        name=f"nccl-init-{key}",
-                    ),
+                    _spawn(self.sender.static_init, at, name=f"nccl-init-{key}"),
                 )
             else:
                 await asyncio.wrap_future(
                     _spawn(
-                        self.sender.call,
-                        "factory_init",
-                        key,
-                        addr,
-                        port,
-                        ws,
+                        self.sender.factory_init,
+                        at,
                         packing,
                         self._client(url),
                         name=f"nccl-init-{key}",
@@ -420,7 +402,7 @@ class NcclTransport(Transport):
             world_size=ws,
             family=family,
             packing=packing,
-            epoch=getattr(self.sender, "epoch", 0),
+            epoch=self.sender.epoch,
             init_s=time.monotonic() - t0,
         )
         rep.group = g
@@ -433,7 +415,7 @@ class NcclTransport(Transport):
         self,
         url: str,
         g: _Group,
-        wire: WeightSource | SourceSpec,
+        wire: WireSource,
         specs: list[TensorSpec],
         packing: Packing,
         timings: dict[str, Any],
@@ -447,33 +429,22 @@ class NcclTransport(Transport):
             "packed_buffer_size_bytes": packing.buffer_bytes,
             "packed_num_buffers": packing.num_buffers,
         }
-        ctl = self.config.control_timeout_s
         timings["step"] = "start"
         t = time.monotonic()
-        await asyncio.wrap_future(
-            _spawn(
-                lambda: client.post("/start_weight_update", None, timeout_s=ctl),
-                name=f"nccl-start-{g.key}",
-            )
-        )
+        await asyncio.wrap_future(_spawn(client.start_weight_update, name=f"nccl-start-{g.key}"))
         timings["start_s"] = time.monotonic() - t
         timings["step"] = "update"
         t = time.monotonic()
         http_done: dict[str, float] = {}
 
         def update() -> None:
-            client.post(
-                "/update_weights",
-                {"update_info": update_info},
-                timeout_s=self.config.http_timeout_s,
-            )
+            client.update_weights(update_info)
             http_done["t"] = time.monotonic()
 
         _, sent = await _gather_threads(
             _spawn(update, name=f"nccl-update-http-{g.key}"),
             _spawn(
-                self.sender.call,
-                "static_send",
+                self.sender.static_send,
                 g.key,
                 wire,
                 packing,
@@ -486,12 +457,7 @@ class NcclTransport(Transport):
         timings.update(sent)
         timings["step"] = "finish"
         t = time.monotonic()
-        await asyncio.wrap_future(
-            _spawn(
-                lambda: client.post("/finish_weight_update", None, timeout_s=ctl),
-                name=f"nccl-finish-{g.key}",
-            )
-        )
+        await asyncio.wrap_future(_spawn(client.finish_weight_update, name=f"nccl-finish-{g.key}"))
         timings["finish_s"] = time.monotonic() - t
         timings["step"] = "done"
 
