@@ -237,6 +237,11 @@ async def test_service_mode_checks_the_targets_checkpoint_then_loads_it(tmp_path
     [prepare] = sender.commands  # loaded onto the sender's GPU before the paused window
     assert isinstance(prepare, Prepare) and isinstance(prepare.source, CheckpointSource)
     assert (prepare.source.path, prepare.source.device) == (ok.path, transport.config.device)
+    wrong_hash = ok.identity.model_copy(update={"content_hash": "sha256:" + "1" * 64})
+    await transport.preflight(engine, replace(ok, identity=wrong_hash))  # not verified by default
+    transport.config = transport.config.model_copy(update={"verify_content_hash": True})
+    with pytest.raises(PreflightFailed, match="declared content hash"):
+        await transport.preflight(engine, replace(ok, identity=wrong_hash))
     await engine.aclose()
 
 
@@ -281,6 +286,36 @@ async def test_identity_and_version_refusals() -> None:
         assert {p for p in server.paths()} <= {"GET /version", "GET /v1/models"}
         assert sender.commands == []
         await engine.aclose()
+
+
+class CountingSource(SpecSource):
+    """Counts how often its parameters are read (each read is one manifest check)."""
+
+    reads = 0
+
+    def specs(self) -> list[TensorSpec]:
+        self.reads += 1
+        return super().specs()
+
+
+async def test_the_target_is_checked_once_per_transfer_path() -> None:
+    """Pins the single check: the transfer that follows a preflight of the same target uses what
+    the preflight checked; a transfer without it checks itself; another target is checked."""
+    server = FakeServer()
+    src = CountingSource()
+    transport, engine, _sender = make(server, src)
+    await transport.preflight(engine, target())
+    await transport.transfer(engine, target())
+    assert src.reads == 1
+    server.update_seen.clear()
+    server.data_sent.clear()
+    await transport.transfer(engine, target())  # no preflight this time
+    assert src.reads == 2
+    await transport.preflight(engine, target())
+    with pytest.raises(PreflightFailed, match="identity mismatch"):
+        await transport.transfer(engine, target(digest="sha256:other"))
+    assert src.reads == 4
+    await engine.aclose()
 
 
 async def test_unpaused_engine_is_no_mutation() -> None:

@@ -40,6 +40,9 @@ class NcclConfig(BaseModel):
     http_timeout_s: float = Field(default=600.0, gt=0)  # HTTP limit of /update_weights
     control_timeout_s: float = Field(default=60.0, gt=0)  # start / finish / world size
     require_same_vllm_minor: bool = True
+    #: Service mode: verify a declared ``identity.content_hash`` in preflight (one full read of
+    #: the checkpoint per replica; off by default for multi-GB checkpoints).
+    verify_content_hash: bool = False
     chunk_timings: bool = False  # CUDA events around each broadcast (static API only)
 
     @field_validator("replica_ports")

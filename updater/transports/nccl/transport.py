@@ -25,8 +25,18 @@ mismatch is :class:`~pool.errors.PreflightFailed`; an unpaused engine, an unreac
 4xx on the group init is :class:`~pool.errors.NoMutation`; everything after
 ``/start_weight_update`` (which moves the model's layers to the meta device for vLLM's layerwise
 reload) is :class:`~pool.errors.AmbiguousMutation`, as is a group init that failed any other way
-(the engine loop may still be blocked in the rendezvous). Refusals happen in preflight and again
-at the top of :meth:`NcclTransport.transfer`, before anything is sent.
+(the engine loop may still be blocked in the rendezvous).
+
+**Checks, once per transfer path.** :meth:`NcclTransport.preflight` runs the shared target check
+(:mod:`updater.transports.preflight`: in service mode location, manifest, identity and
+provenance of the checkpoint; in process the source's manifest against the declared identity)
+and the version check, and keeps the result for that replica. The next
+:meth:`NcclTransport.transfer` of the same target to it sends what was checked without checking
+again; a transfer without that preflight runs the same checks itself, before anything is sent.
+
+The transport's methods run on the updater's event loop (not thread-safe); blocking work goes to
+daemon threads as above, and transferring into one replica at a time is the caller's business
+(:mod:`updater.transports.base`).
 """
 
 from __future__ import annotations
@@ -59,12 +69,9 @@ from updater.transports.nccl.senders import (
     ThreadSender,
     WireSource,
 )
-from updater.transports.nccl.sources import (
-    CheckpointSource,
-    WeightSource,
-    nbytes_of,
-)
+from updater.transports.nccl.sources import CheckpointSource, WeightSource, nbytes_of
 from updater.transports.nccl.versions import ApiFamily, check_versions, local_vllm_version
+from updater.transports.preflight import check_location, check_provenance, check_weights
 
 __all__ = ["NcclTransport"]
 
@@ -81,6 +88,17 @@ class _Group:
     packing: Packing
     epoch: int = 0
     init_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the check of ``target`` established for one replica: the transfer that follows the
+    preflight sends exactly this source, in this order, with this API family."""
+
+    target: WeightsTarget
+    source: WeightSource
+    specs: tuple[TensorSpec, ...]
+    family: ApiFamily
 
 
 @dataclass
@@ -127,6 +145,7 @@ class NcclTransport(Transport):
         self._local_version = local_version
         self._replicas: dict[str, _Replica] = {}
         self._checkpoints: dict[Path, CheckpointSource] = {}
+        self._checked: dict[str, _Checked] = {}  # by replica URL: its last passed preflight
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -141,7 +160,9 @@ class NcclTransport(Transport):
         return self._replicas[url]
 
     def forget(self, url: str) -> None:
-        """Drop (and abandon) the group of the replica at ``url``: call after restarting it."""
+        """Drop (and abandon) the group of the replica at ``url``, and what its last preflight
+        checked: call after restarting it."""
+        self._checked.pop(url.rstrip("/"), None)
         rep = self._replica(url)
         if rep.group is not None:
             self._abandon(rep, "forgotten")
@@ -193,54 +214,37 @@ class NcclTransport(Transport):
             return spec
         return src
 
-    def _check_manifest(self, target: WeightsTarget) -> tuple[WeightSource, list[TensorSpec]]:
-        """Names / shapes / dtypes of what would be sent vs the replica's model. Local only."""
-        ctx: dict[str, Any] = {"identity": target.identity.digest}
-        if self.source is None:
-            path = target.path
-            ctx["path"] = str(path)
-            if not path.is_absolute():
-                raise PreflightFailed(f"checkpoint path must be absolute: {path}", **ctx)
-            if not path.is_dir():
-                raise PreflightFailed(f"checkpoint directory does not exist: {path}", **ctx)
+    def _read_source(self, target: WeightsTarget) -> tuple[WeightSource, list[TensorSpec]]:
+        """The source for ``target`` and its parameters in send order (blocking: headers of a
+        checkpoint, or the module's parameter list). Refuses unreadable or repeated names."""
         src = self._source_for(target)
         try:
             specs = src.specs()
         except PreflightFailed:
             raise
         except Exception as e:
-            raise PreflightFailed(f"cannot read the source's parameters: {e}", **ctx) from e
+            raise PreflightFailed(
+                f"cannot read the source's parameters: {e}", identity=target.identity.digest
+            ) from e
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
-            raise PreflightFailed("the source yields a parameter name twice", **ctx)
-        manifest = Manifest.of(specs)
-        expected = target.expected_manifest
-        if manifest.digest != expected.digest:
-            diff = expected.diff(manifest)
             raise PreflightFailed(
-                f"weights do not match the replica's model: {'; '.join(diff)}",
-                diff=diff,
-                expected_digest=expected.digest,
-                actual_digest=manifest.digest,
-                **ctx,
-            )
-        ident = target.identity
-        if ident.manifest_digest != manifest.digest:
-            raise PreflightFailed(
-                f"identity mismatch: declared manifest digest {ident.manifest_digest} != "
-                f"the source's {manifest.digest}",
-                **ctx,
-            )
-        if self.source is None and ident.checkpoint_uri not in (
-            str(target.path),
-            target.path.as_uri(),
-        ):
-            raise PreflightFailed(
-                f"identity mismatch: declared checkpoint_uri {ident.checkpoint_uri!r} is not "
-                f"this path {str(target.path)!r}",
-                **ctx,
+                "the source yields a parameter name twice", identity=target.identity.digest
             )
         return src, specs
+
+    async def _check(self, engine: VllmEngine, target: WeightsTarget) -> _Checked:
+        """The checks of one transfer path, each run once: the shared target check
+        (:mod:`updater.transports.preflight`) on what would be sent, then the vLLM versions.
+        Local reads plus read-only calls (``/version``); a refusal is ``PreflightFailed``."""
+        service = self.source is None
+        if service:
+            check_location(target)
+        src, specs = await asyncio.to_thread(self._read_source, target)
+        check_weights(target, Manifest.of(specs), what="checkpoint" if service else "source")
+        if service:
+            await check_provenance(target, verify_content_hash=self.config.verify_content_hash)
+        return _Checked(target, src, tuple(specs), await self._family(engine))
 
     async def _family(self, engine: VllmEngine) -> ApiFamily:
         try:
@@ -257,13 +261,14 @@ class NcclTransport(Transport):
     # -- Transport ---------------------------------------------------------------------------
 
     async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:
-        """Refuse unless the source matches the replica's manifest and identity and the vLLM
-        versions can talk; warms the source (loads a checkpoint onto the sender's GPU). Only
-        read-only calls reach the engine (``/version``)."""
-        src, _ = await asyncio.to_thread(self._check_manifest, target)
-        await self._family(engine)
-        if self.source is None:  # service mode: load now, outside the paused window
-            wire = self._wire(src)
+        """Refuse unless what would be sent matches the replica's manifest and the declared
+        identity and the vLLM versions can talk (:meth:`_check`); in service mode, warm the
+        source (load the checkpoint onto the sender's GPU, outside the paused window). Only
+        read-only calls reach the engine (``/version``). What passed is kept for the next
+        :meth:`transfer` of this target to this replica, which then does not check again."""
+        checked = await self._check(engine, target)
+        if self.source is None:
+            wire = self._wire(checked.source)
             try:
                 await asyncio.wrap_future(_spawn(self.sender.prepare, wire, name="nccl-prepare"))
             except Exception as e:
@@ -271,16 +276,19 @@ class NcclTransport(Transport):
                     f"cannot load {target.path} onto {self.config.device}: {e}",
                     path=str(target.path),
                 ) from e
+        self._checked[engine.url.rstrip("/")] = checked
 
     async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
         """Send ``target`` into ``engine`` (which must be paused). See the module docstring for
         the failure classes; timings of this transfer go to ``self.last[url]``."""
         t_start = time.monotonic()
-        src, specs = await asyncio.to_thread(self._check_manifest, target)  # before any call
-        family = await self._family(engine)
+        checked = self._checked.pop(engine.url.rstrip("/"), None)
+        if checked is None or checked.target != target:  # not preflighted: check before any call
+            checked = await self._check(engine, target)
+        specs, family = list(checked.specs), checked.family
         rep = self._replica(engine.url)
         packing = self.packing
-        wire = self._wire(src)
+        wire = self._wire(checked.source)
         nbytes = nbytes_of(specs)
         timings: dict[str, Any] = {
             "family": family,
