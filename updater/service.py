@@ -50,9 +50,8 @@ from pool.types import Generation, GenerationRecord, ReplicaRecord, ReplicaState
 from updater import plan
 from updater.cycle import CycleError, CycleReport, CycleRunner, Probe, ReplicaHandle, UpdateTarget
 from updater.settings import ReplicaConfig, UpdaterSettings
+from updater.transports import registry as transports
 from updater.transports.base import Transport, WeightsTarget
-from updater.transports.nccl import NcclTransport
-from updater.transports.reload import ReloadTransport
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -164,9 +163,7 @@ class Updater:
         self.coalesce = coalesce
         self.lease: UpdaterLease = store.updater_lease(f"updater-{uuid.uuid4().hex[:8]}")
         if transport is None:
-            transport = (
-                NcclTransport(settings.nccl) if settings.transport == "nccl" else ReloadTransport()
-            )
+            transport = transports.create(settings)
         self.runner = CycleRunner(
             store,
             self.lease,

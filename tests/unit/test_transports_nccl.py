@@ -196,11 +196,16 @@ def target(
 # ------------------------------------------------------------------------------ pure parts
 
 
-def test_module_imports_without_torch_or_vllm() -> None:
+def test_settings_and_transports_load_without_torch_or_vllm() -> None:
+    """Pins the lazy imports: loading the settings, the registry and the transports, and
+    building the NCCL transport (what the updater does at start) import neither."""
     code = (
-        "import sys, updater.transports.nccl; "
-        "bad = [m for m in ('torch', 'vllm', 'safetensors.torch') if m in sys.modules]; "
-        "assert not bad, bad"
+        "import sys\n"
+        "from updater.settings import UpdaterSettings\n"
+        "from updater.transports import preflight, registry, reload, nccl\n"
+        "registry.create(UpdaterSettings(transport='nccl')).close()\n"
+        "bad = [m for m in ('torch', 'vllm', 'safetensors.torch') if m in sys.modules]\n"
+        "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import httpx
 
@@ -72,6 +72,9 @@ from updater.transports.nccl.senders import (
 from updater.transports.nccl.sources import CheckpointSource, WeightSource, nbytes_of
 from updater.transports.nccl.versions import ApiFamily, check_versions, local_vllm_version
 from updater.transports.preflight import check_location, check_provenance, check_weights
+
+if TYPE_CHECKING:
+    from updater.settings import UpdaterSettings
 
 __all__ = ["NcclTransport"]
 
@@ -146,6 +149,11 @@ class NcclTransport(Transport):
         self._replicas: dict[str, _Replica] = {}
         self._checkpoints: dict[Path, CheckpointSource] = {}
         self._checked: dict[str, _Checked] = {}  # by replica URL: its last passed preflight
+
+    @classmethod
+    def from_settings(cls, settings: UpdaterSettings) -> Self:
+        """Service mode with ``settings.nccl``, sending from a thread of the updater."""
+        return cls(settings.nccl)
 
     # -- bookkeeping -------------------------------------------------------------------------
 
