@@ -134,6 +134,19 @@ class FakeServer:
     def body(self, path: str) -> Any:
         return next(b for _, p, b in self.requests if p == path)
 
+    def init_ports(self) -> list[int]:
+        """The rendezvous port of every group init received, in order."""
+        return [
+            b["init_info"]["master_port"]
+            for _, p, b in self.requests
+            if p == "/init_weight_transfer_engine"
+        ]
+
+    def rearm(self) -> None:
+        """Ready for another update: the next one waits for its own data again."""
+        self.update_seen.clear()
+        self.data_sent.clear()
+
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         body = json.loads(request.content) if request.content else None
@@ -312,8 +325,7 @@ async def test_the_target_is_checked_once_per_transfer_path() -> None:
     await transport.preflight(engine, target())
     await transport.transfer(engine, target())
     assert src.reads == 1
-    server.update_seen.clear()
-    server.data_sent.clear()
+    server.rearm()
     await transport.transfer(engine, target())  # no preflight this time
     assert src.reads == 2
     await transport.preflight(engine, target())
@@ -342,12 +354,7 @@ async def test_refused_group_init_is_no_mutation_and_moves_the_port() -> None:
     assert server.body("/init_weight_transfer_engine")["init_info"]["master_port"] == 30000
     server.fail.clear()
     await transport.transfer(engine, target())
-    ports = [
-        b["init_info"]["master_port"]
-        for _, p, b in server.requests
-        if p == "/init_weight_transfer_engine"
-    ]
-    assert ports == [30000, 30010]
+    assert server.init_ports() == [30000, 30010]
     await engine.aclose()
 
 
@@ -402,8 +409,7 @@ async def test_static_handshake_order_bodies_and_group_reuse() -> None:
 
     # the second transfer reuses the group: no init, same key
     server.requests.clear()
-    server.update_seen.clear()
-    server.data_sent.clear()
+    server.rearm()
     await transport.transfer(engine, target())
     assert "POST /init_weight_transfer_engine" not in server.paths()
     assert sender.kinds() == ["StaticInit", "StaticSend", "StaticSend"]
@@ -458,15 +464,9 @@ async def test_forget_abandons_the_group() -> None:
     await transport.transfer(engine, target())
     transport.forget("http://replica.test/")
     assert sender.abandoned == ["http://replica.test#0"]
-    server.update_seen.clear()
-    server.data_sent.clear()
+    server.rearm()
     await transport.transfer(engine, target())
-    ports = [
-        b["init_info"]["master_port"]
-        for _, p, b in server.requests
-        if p == "/init_weight_transfer_engine"
-    ]
-    assert ports == [30300, 30305]
+    assert server.init_ports() == [30300, 30305]
     await engine.aclose()
 
 

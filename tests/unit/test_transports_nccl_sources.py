@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import pytest
 
 from pool.checkpoint import read_manifest
 from pool.types import TensorSpec
-from updater.transports.nccl import CheckpointSource, ModuleSource, SourceSpec
+from updater.transports.nccl import CheckpointSource, ModuleSource, SourceSpec, WeightSource
+from updater.transports.nccl.sources import SourceSlot
 
 
 def test_module_source_reads_named_parameters() -> None:
@@ -80,3 +82,38 @@ def test_source_spec_refuses_what_is_not_a_source() -> None:
         SourceSpec("pool.types:Manifest", (("tensors", ()),)).build()
     with pytest.raises(ModuleNotFoundError):
         SourceSpec("no_such_module_here:X").build()
+
+
+class Tracked(WeightSource):
+    """Counts its releases."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def specs(self) -> list[TensorSpec]:
+        return []
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(())
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_a_source_slot_holds_one_source_and_releases_it_for_another() -> None:
+    def never() -> WeightSource:
+        raise AssertionError("the held source is not built again")
+
+    def broken() -> WeightSource:
+        raise RuntimeError("cannot build")
+
+    slot: SourceSlot[str] = SourceSlot()
+    a = slot.get("a", Tracked)
+    assert slot.get("a", never) is a
+    b = slot.get("b", Tracked)
+    assert isinstance(a, Tracked) and isinstance(b, Tracked)
+    assert (a.released, b.released) == (1, 0)  # one checkpoint on the GPU at a time
+    with pytest.raises(RuntimeError):
+        slot.get("c", broken)
+    assert b.released == 1
+    assert slot.get("b", Tracked) is not b  # a failed build leaves the slot empty

@@ -43,7 +43,7 @@ from typing import Any, Generic, TypeVar, cast
 from pool.types import TensorSpec
 from updater.transports.nccl.config import Packing
 from updater.transports.nccl.control import HttpWeightSyncClient
-from updater.transports.nccl.sources import SourceSpec, WeightSource, import_untyped
+from updater.transports.nccl.sources import SourceSlot, SourceSpec, WeightSource, import_untyped
 
 __all__ = [
     "Command",
@@ -303,7 +303,7 @@ class SenderCore:
     def __init__(self, device: str) -> None:
         self.device = device
         self.groups: dict[str, Any] = {}
-        self.sources: dict[SourceSpec, WeightSource] = {}
+        self._sources: SourceSlot[SourceSpec] = SourceSlot()
 
     def _set_device(self) -> None:
         torch = import_untyped("torch")
@@ -312,13 +312,7 @@ class SenderCore:
     def source(self, spec: SourceSpec) -> WeightSource:
         """The source ``spec`` builds, built once; building another releases the previous one
         (one checkpoint on the GPU at a time)."""
-        src = self.sources.get(spec)
-        if src is None:
-            for old in self.sources.values():
-                old.release()
-            self.sources.clear()
-            src = self.sources[spec] = spec.build()
-        return src
+        return self._sources.get(spec, spec.build)
 
     def _resolve(self, source: WireSource) -> WeightSource:
         src = self.source(source) if isinstance(source, SourceSpec) else source

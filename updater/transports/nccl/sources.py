@@ -7,6 +7,7 @@ sender's GPU in a fixed order, and declares that order without data (:meth:`Weig
   sender's GPU.
 * :class:`SourceSpec` — a picklable recipe that rebuilds a source in another process (the
   sending child of ``sender="process"``).
+* :class:`SourceSlot` — holds one built source at a time (one checkpoint on the GPU).
 
 Where things run: :meth:`~WeightSource.specs` is cheap and runs wherever the transport checks the
 target (a worker thread of the updater); :meth:`~WeightSource.prepare` and iteration block (disk
@@ -20,10 +21,10 @@ from __future__ import annotations
 import importlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pool.checkpoint import read_header, read_manifest, safetensors_files
 from pool.types import Manifest, TensorSpec
@@ -31,6 +32,7 @@ from pool.types import Manifest, TensorSpec
 __all__ = [
     "CheckpointSource",
     "ModuleSource",
+    "SourceSlot",
     "SourceSpec",
     "WeightSource",
     "import_untyped",
@@ -197,3 +199,26 @@ class CheckpointSource(WeightSource):
 
     def release(self) -> None:
         self._tensors = None
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class SourceSlot(Generic[K]):
+    """At most one built source at a time, so at most one checkpoint sits on the sender's GPU:
+    asking for another key releases the source held before building the new one. Used from one
+    thread at a time."""
+
+    def __init__(self) -> None:
+        self._key: K | None = None
+        self._source: WeightSource | None = None
+
+    def get(self, key: K, build: Callable[[], WeightSource]) -> WeightSource:
+        """The source held for ``key``, built by ``build`` unless it is the one held. If
+        ``build`` raises, the slot is left empty (the previous source already released)."""
+        if self._source is None or self._key != key:
+            old, self._source = self._source, None
+            if old is not None:
+                old.release()
+            self._source, self._key = build(), key
+        return self._source

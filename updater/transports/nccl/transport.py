@@ -69,7 +69,7 @@ from updater.transports.nccl.senders import (
     ThreadSender,
     WireSource,
 )
-from updater.transports.nccl.sources import CheckpointSource, WeightSource, nbytes_of
+from updater.transports.nccl.sources import CheckpointSource, SourceSlot, WeightSource, nbytes_of
 from updater.transports.nccl.versions import ApiFamily, check_versions, local_vllm_version
 from updater.transports.preflight import check_location, check_provenance, check_weights
 
@@ -147,7 +147,7 @@ class NcclTransport(Transport):
         self._http_transport = http_transport
         self._local_version = local_version
         self._replicas: dict[str, _Replica] = {}
-        self._checkpoints: dict[Path, CheckpointSource] = {}
+        self._checkpoints: SourceSlot[Path] = SourceSlot()  # service mode: by checkpoint path
         self._checked: dict[str, _Checked] = {}  # by replica URL: its last passed preflight
 
     @classmethod
@@ -191,6 +191,8 @@ class NcclTransport(Transport):
         self.sender.close()
 
     def _client(self, url: str) -> HttpWeightSyncClient:
+        """The control client for the replica at ``url``: every HTTP call of a group init or a
+        transfer (this transport's and vLLM's trainer engine's) goes through one made here."""
         c = self.config
         return HttpWeightSyncClient(
             url,
@@ -206,13 +208,7 @@ class NcclTransport(Transport):
         if self.source is not None:
             return self.source
         path = target.path
-        src = self._checkpoints.get(path)
-        if src is None:
-            for old in self._checkpoints.values():
-                old.release()
-            self._checkpoints = {path: CheckpointSource(path, self.config.device)}
-            src = self._checkpoints[path]
-        return src
+        return self._checkpoints.get(path, lambda: CheckpointSource(path, self.config.device))
 
     def _wire(self, src: WeightSource) -> WireSource:
         if isinstance(self.sender, ProcessSender):
