@@ -11,17 +11,20 @@ store, fenced transitions, watchdog deadlines) driving :class:`~updater.transpor
 NcclTransport`; replicas are :class:`~pool.launcher.LocalReplica` processes.
 
 **Validation.** Greedy exact match is useless for random bf16 weights (near-ties flip), so the
-cycle runner's greedy probe is replaced here (:class:`TeacherForcedRunner`) by a teacher-forced
-log-prob check: vLLM's ``prompt_logprobs`` of two fixed 64-token sequences against the trainer's
-own log-probs for the target generation; pass = mean |diff| <= ``TF_MEAN_TOL`` and max |diff| <=
-``TF_MAX_TOL``. Rollouts are checked the same way on their sampled tokens (vLLM's raw sampled-
-token log-probs vs the trainer's, for every generation): ``cross_generation`` counts rollouts
-whose closest generation is not the one the store bound them to (or that match none).
+cycle runner's greedy probe is replaced here by a teacher-forced log-prob check
+(:func:`make_runner` gives the :class:`~updater.cycle.CycleRunner` that validator): vLLM's
+``prompt_logprobs`` of two fixed 64-token sequences against the trainer's own log-probs for the
+target generation; pass = mean |diff| <= ``TF_MEAN_TOL`` and max |diff| <= ``TF_MAX_TOL``.
+Rollouts are checked the same way on their sampled tokens (vLLM's raw sampled-token log-probs vs
+the trainer's, for every generation): ``cross_generation`` counts rollouts whose closest
+generation is not the one the store bound them to (or that match none).
 
 Phases (``--phases``, one or more, in this order):
 
-* ``raw``: raw NCCL broadcast GPU0 -> GPU1 with vLLM's communicator (``nccl_bw.py``), before any
-  server starts: the ceiling.
+* ``raw``: raw NCCL broadcast GPU0 -> GPU1 with vLLM's communicator, before any server starts:
+  the ceiling. The script is not in this repository: it is ``../shared/gpu/nccl_bw.py``, which
+  the GPU bundle stages as ``/tmp/stage/nccl_bw.py`` (``--nccl-bw``); without it the phase
+  records an error and the others run.
 * ``a``: one replica, cold start; bootstrap to g0 (NCCL), one full cycle to g1 (window
   QUIESCED -> READY, transfer GB/s, per-chunk CUDA-event timings); a packing sweep (each transfer
   validated); the trainer-side packing cost alone; then ``b``.
@@ -30,10 +33,11 @@ Phases (``--phases``, one or more, in this order):
 * ``c``: two replicas; continuous load (``--workers`` concurrent rollouts through store
   admission, ``max_staleness=1``); ``--rolls`` rolling updates across both replicas; every rollout
   verified against its bound generation.
-* ``d``: stuck collective: r1's update is sent in service mode from a sending *child process*
-  (checkpoint on GPU 0) that stalls mid-broadcast and is then SIGKILLed; r1 must be TAINTED within
-  the transfer deadline while r0 keeps serving; r0 then moves to that generation in process; r1 is
-  restarted and recovered from the checkpoint in service mode (a fresh sending child).
+* ``d``: stuck collective: r1's update is sent from a sending *child process* by a checkpoint
+  source (the checkpoint loaded onto GPU 0) that stalls mid-broadcast; the child is then
+  SIGKILLed; r1 must be TAINTED within the transfer deadline while r0 keeps serving; r0 then
+  moves to that generation in process; r1 is restarted and recovered from the checkpoint in
+  service mode (a fresh sending child).
 
 Each run writes ``--out`` (JSON; rewritten after every phase, so a crash keeps what was
 measured). ``python -m bench.gpu_update merge PART.json... `` combines parts into
@@ -976,7 +980,7 @@ def save_checkpoint(trainer: Trainer, fallback: Path) -> tuple[Path, float]:
 
 async def phase_d(env: Env) -> None:
     from updater.cycle import CycleError, Deadlines
-    from updater.transports.nccl import NcclTransport
+    from updater.transports.nccl import NcclTransport, ProcessSender
 
     a, res = env.args, env.result
     trainer = env.trainer
@@ -1015,7 +1019,9 @@ async def phase_d(env: Env) -> None:
         await finish_rolling(env, load, list(range(g)), res.get("rolling_updates", []))
         return
     await asyncio.sleep(0.5)  # chunks before the stall land; r1's worker now waits in NCCL
-    pid = bad.sender.pid  # type: ignore[attr-defined]
+    assert isinstance(bad.sender, ProcessSender)
+    pid = bad.sender.pid
+    assert pid is not None
     t_kill = now()
     os.kill(pid, signal.SIGKILL)
     outcome = None
@@ -1217,8 +1223,9 @@ def statistics_median(xs: list[float]) -> float:
 def merge(
     parts: list[Path], out: Path, command: str, notes: list[str] | None = None
 ) -> dict[str, Any]:
-    """Combine phase outputs into the result file the issue asks for: the headline fields on
-    top (first part that has each), the transfer breakdown, every part in ``details``."""
+    """Combine phase outputs into one result file (``bench/results/gpu_update.json`` by
+    default): the headline fields on top (first part that has each), the transfer breakdown,
+    every part in ``details``."""
     datas = {p.stem: json.loads(p.read_text()) for p in parts}
     keys = [
         "bytes",

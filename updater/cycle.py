@@ -152,7 +152,7 @@ class CycleRunner:
         self,
         store: RedisStore,
         lease: UpdaterLease,
-        transport: Transport[WeightsTarget],
+        transport: Transport,
         *,
         deadlines: Deadlines | None = None,
         drain_policy: DrainPolicy = DrainPolicy.WAIT,

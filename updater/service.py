@@ -43,9 +43,8 @@ from updater.pending import PendingUpdate, PendingUpdates
 from updater.replicas import ManagedReplica, bring_up
 from updater.settings import UpdaterSettings
 from updater.supervisor import WAITING_FOR_RESTART, Supervisor
+from updater.transports import registry as transports
 from updater.transports.base import Transport, WeightsTarget
-from updater.transports.nccl import NcclTransport
-from updater.transports.reload import ReloadTransport
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -63,7 +62,7 @@ class Updater:
         settings: UpdaterSettings,
         store: RedisStore,
         *,
-        transport: Transport[WeightsTarget] | None = None,
+        transport: Transport | None = None,
         metrics: UpdaterMetrics | None = None,
         coalesce: bool = True,
     ) -> None:
@@ -75,9 +74,7 @@ class Updater:
         self.coalesce = coalesce
         self.lease: UpdaterLease = store.updater_lease(f"updater-{uuid.uuid4().hex[:8]}")
         if transport is None:
-            transport = (
-                NcclTransport(settings.nccl) if settings.transport == "nccl" else ReloadTransport()
-            )
+            transport = transports.create(settings)
         self.runner = CycleRunner(
             store,
             self.lease,

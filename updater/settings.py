@@ -6,13 +6,13 @@ Built once in ``__main__`` (or by the CLI) and passed down; nothing else reads t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pool.launcher import ReplicaSpec
 from updater.cycle import Deadlines, DrainPolicy
+from updater.transports import registry as transports
 from updater.transports.nccl import NcclConfig
 
 
@@ -51,11 +51,17 @@ class UpdaterSettings(BaseSettings):
     admin_token: SecretStr | None = None
     replicas: list[ReplicaConfig] = Field(default_factory=list)
 
-    #: ``reload``: replicas load the pushed checkpoint path themselves (CPU and GPU; the path
-    #: must be readable by the servers). ``nccl``: the updater loads it onto its GPU and
-    #: broadcasts through vLLM's weight-transfer engine (service mode; see ``nccl``).
-    transport: Literal["reload", "nccl"] = "reload"
+    #: A name registered in :mod:`updater.transports.registry`. Built in: ``reload``: replicas
+    #: load the pushed checkpoint path themselves (CPU and GPU; the path must be readable by the
+    #: servers); ``nccl``: the updater loads it onto its GPU and broadcasts through vLLM's
+    #: weight-transfer engine (service mode; see ``nccl``).
+    transport: str = "reload"
     nccl: NcclConfig = Field(default_factory=NcclConfig)
+
+    @field_validator("transport")
+    @classmethod
+    def _registered_transport(cls, name: str) -> str:
+        return transports.require(name)  # validates the name; imports no transport
 
     max_unavailable: int = Field(default=1, ge=1)
     min_serving: int = Field(default=1, ge=0)

@@ -32,7 +32,8 @@ from updater.cycle import (
     ReplicaHandle,
     UpdateTarget,
 )
-from updater.transports.reload import ReloadTarget, ReloadTransport
+from updater.transports.base import WeightsTarget
+from updater.transports.reload import ReloadTransport
 
 pytestmark = pytest.mark.integration
 S = ReplicaState
@@ -207,7 +208,7 @@ class HangingTransport(ReloadTransport):
     """Fault injection (a real server cannot be made to hang on demand): the transfer blocks
     forever after the real preflight, like a collective whose peer died."""
 
-    async def transfer(self, engine: VllmEngine, target: ReloadTarget) -> TransferEvidence:
+    async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 

@@ -20,7 +20,7 @@ from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
 from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, _group_stats
 from pool.types import Manifest, WeightIdentity
 from tests.integration.conftest import TinyModels
-from updater.transports import ReloadTarget, ReloadTransport
+from updater.transports import ReloadTransport, WeightsTarget
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -55,7 +55,7 @@ async def probe_a(engine_a: VllmEngine) -> tuple[int, ...]:
 
 
 async def reload_cycle(
-    engine: VllmEngine, transport: ReloadTransport, target: ReloadTarget, label: str
+    engine: VllmEngine, transport: ReloadTransport, target: WeightsTarget, label: str
 ) -> float:
     """pause(wait) -> preflight -> transfer -> reset caches -> label -> resume. Returns the
     transfer's elapsed seconds."""
@@ -181,8 +181,8 @@ async def test_reload_marker_then_b_then_back_to_a(
     transport = ReloadTransport()
     T = tiny_models.marker_token_id
 
-    def target(path: Path) -> ReloadTarget:
-        return ReloadTarget(identity_of(path), path, manifest_a)
+    def target(path: Path) -> WeightsTarget:
+        return WeightsTarget(identity_of(path), path, manifest_a)
 
     try:
         t_marker = await reload_cycle(engine_a, transport, target(tiny_models.marker), "marker")
@@ -217,14 +217,14 @@ async def test_bad_checkpoints_refused_before_mutation(
 ) -> None:
     b = tiny_models.b
     targets = {
-        "missing": ReloadTarget(identity_of(b), tmp_path / "gone", manifest_a),
-        "relative": ReloadTarget(identity_of(b), Path("relative/ckpt"), manifest_a),
-        "wrong-shapes": ReloadTarget(identity_of(tiny_models.wide), tiny_models.wide, manifest_a),
-        "wrong-dtype": ReloadTarget(identity_of(tiny_models.bf16), tiny_models.bf16, manifest_a),
-        "identity-digest": ReloadTarget(
+        "missing": WeightsTarget(identity_of(b), tmp_path / "gone", manifest_a),
+        "relative": WeightsTarget(identity_of(b), Path("relative/ckpt"), manifest_a),
+        "wrong-shapes": WeightsTarget(identity_of(tiny_models.wide), tiny_models.wide, manifest_a),
+        "wrong-dtype": WeightsTarget(identity_of(tiny_models.bf16), tiny_models.bf16, manifest_a),
+        "identity-digest": WeightsTarget(
             identity_of(b, manifest_digest="sha256:" + "0" * 64), b, manifest_a
         ),
-        "identity-uri": ReloadTarget(identity_of(b, checkpoint_uri="/elsewhere"), b, manifest_a),
+        "identity-uri": WeightsTarget(identity_of(b, checkpoint_uri="/elsewhere"), b, manifest_a),
     }
     target = targets[case]
     transport = ReloadTransport()
@@ -251,7 +251,7 @@ async def test_bad_checkpoints_refused_before_mutation(
 async def test_transfer_refuses_an_unpaused_engine(
     engine_a: VllmEngine, tiny_models: TinyModels, manifest_a: Manifest, probe_a: tuple[int, ...]
 ) -> None:
-    target = ReloadTarget(identity_of(tiny_models.b), tiny_models.b, manifest_a)
+    target = WeightsTarget(identity_of(tiny_models.b), tiny_models.b, manifest_a)
     with pytest.raises(NoMutation, match="not paused"):
         await ReloadTransport().transfer(engine_a, target)
     assert await engine_a.complete(PROBE, max_tokens=PROBE_LEN) == probe_a

@@ -13,9 +13,13 @@ The cycle runner calls, for one replica that is already QUIESCED (engine paused,
    replica's weights as unknown (``StepFailed(AMBIGUOUS)`` -> TAINTED), including
    ``CancelledError`` and deadline expiry.
 
-Transports do not pause, reset caches, set labels or validate; the cycle runner does. Each
-transport is stateless across replicas, so one instance may serve a whole pool; concurrency
-control (one replica at a time) belongs to the caller.
+Transports do not pause, reset caches, set labels or validate; the cycle runner does. One
+instance serves a whole pool: per-replica state (e.g. an NCCL group) is keyed by the replica's
+URL and dropped by :meth:`Transport.forget`; concurrency control (one replica at a time) belongs
+to the caller.
+
+The target check every transport runs in preflight is :mod:`updater.transports.preflight`;
+transports are built by name through :mod:`updater.transports.registry`.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Self
 
 from pool.engine import VllmEngine
 from pool.evidence import TransferEvidence
 from pool.types import Manifest, WeightIdentity
+
+if TYPE_CHECKING:
+    from updater.settings import UpdaterSettings
 
 __all__ = ["Transport", "WeightsTarget"]
 
@@ -47,23 +54,27 @@ class WeightsTarget:
     expected_manifest: Manifest
 
 
-TTarget = TypeVar("TTarget")
-
-
-class Transport(ABC, Generic[TTarget]):
-    """Moves the weights described by a ``TTarget`` into one engine. See the module contract."""
+class Transport(ABC):
+    """Moves the weights described by a :class:`WeightsTarget` into one engine. See the module
+    contract."""
 
     #: Registry name, recorded in :attr:`TransferEvidence.transport`.
     name: ClassVar[str]
 
+    @classmethod
+    def from_settings(cls, settings: UpdaterSettings) -> Self:
+        """The transport the updater's settings describe (what the registry builds). By default
+        one with its defaults; a transport with settings of its own overrides this."""
+        return cls()
+
     @abstractmethod
-    async def preflight(self, engine: VllmEngine, target: TTarget) -> None:
+    async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:
         """Refuse ``target`` with PreflightFailed unless it can be applied. Never mutates."""
 
-    def forget(self, url: str) -> None:
+    def forget(self, url: str) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Drop per-replica state (e.g. an NCCL group) after the replica at ``url`` restarted."""
 
     @abstractmethod
-    async def transfer(self, engine: VllmEngine, target: TTarget) -> TransferEvidence:
+    async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
         """Load ``target`` into ``engine`` (paused). Exceptions other than PreflightFailed /
         NoMutation mean the engine's weights are unknown."""

@@ -11,31 +11,30 @@ vLLM itself validates nothing here, which is why :meth:`ReloadTransport.prefligh
 * a missing path fails with 500 *after* the worker started the layer-wise reload, leaving meta
   tensors: the next generation request kills the engine.
 
-So every refusal must happen before the RPC: the path is absolute, an existing directory with
+So every refusal must happen before the RPC, in :meth:`ReloadTransport.preflight` (the shared
+check of :mod:`updater.transports.preflight`): the path is absolute, an existing directory with
 safetensors files; its manifest (read from headers, no torch) equals the replica's manifest
 recorded at bootstrap; the declared :class:`~pool.types.WeightIdentity` names this checkpoint
-(manifest digest, URI, and content hash when declared).
+(manifest digest, URI, and content hash when declared). :meth:`ReloadTransport.transfer` checks
+only that the directory is still there (the hazard above) and that the engine is paused.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import ClassVar
 
-from pool.checkpoint import content_hash, read_manifest, safetensors_files
+from pool.checkpoint import safetensors_files
 from pool.engine import VllmEngine
 from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
 from pool.evidence import TransferEvidence
 from updater.transports.base import Transport, WeightsTarget
+from updater.transports.preflight import check_checkpoint
 
-__all__ = ["ReloadTarget", "ReloadTransport"]
-
-
-ReloadTarget = WeightsTarget  # the reload transport's name for the shared target type
+__all__ = ["ReloadTransport"]
 
 
-class ReloadTransport(Transport[ReloadTarget]):
+class ReloadTransport(Transport):
     """Reload weights from disk through ``/collective_rpc``.
 
     ``timeout_s`` bounds the RPC (the engine loop is blocked while it runs). With
@@ -49,50 +48,14 @@ class ReloadTransport(Transport[ReloadTarget]):
         self.timeout_s = timeout_s
         self.verify_content_hash = verify_content_hash
 
-    async def preflight(self, engine: VllmEngine, target: ReloadTarget) -> None:
+    async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:
         """Refuse ``target`` (``PreflightFailed``, with details in ``context``) unless it is
-        loadable and is what its identity declares. Reads local files only; the engine is not
-        contacted, so it is never mutated."""
-        path = target.path
-        ctx = {"path": str(path), "identity": target.identity.digest}
-        if not path.is_absolute():
-            raise PreflightFailed(f"checkpoint path must be absolute: {path}", **ctx)
-        if not path.is_dir():
-            raise PreflightFailed(f"checkpoint directory does not exist: {path}", **ctx)
-        manifest = await asyncio.to_thread(read_manifest, path)  # CheckpointError: a refusal
-        expected = target.expected_manifest
-        if manifest.digest != expected.digest:
-            diff = expected.diff(manifest)
-            raise PreflightFailed(
-                f"checkpoint manifest does not match the replica's model: {'; '.join(diff)}",
-                diff=diff,
-                expected_digest=expected.digest,
-                actual_digest=manifest.digest,
-                **ctx,
-            )
-        ident = target.identity
-        if ident.manifest_digest != manifest.digest:
-            raise PreflightFailed(
-                "identity mismatch: declared manifest digest "
-                f"{ident.manifest_digest} != checkpoint's {manifest.digest}",
-                **ctx,
-            )
-        if ident.checkpoint_uri not in (str(path), path.as_uri()):
-            raise PreflightFailed(
-                f"identity mismatch: declared checkpoint_uri {ident.checkpoint_uri!r} "
-                f"is not this path {str(path)!r}",
-                **ctx,
-            )
-        if ident.content_hash is not None and self.verify_content_hash:
-            actual = await asyncio.to_thread(content_hash, path)
-            if actual != ident.content_hash:
-                raise PreflightFailed(
-                    f"identity mismatch: declared content hash {ident.content_hash} "
-                    f"!= checkpoint's {actual}",
-                    **ctx,
-                )
+        loadable and is what its identity declares: the shared check of
+        :func:`~updater.transports.preflight.check_checkpoint`. Reads local files only; the
+        engine is not contacted, so it is never mutated."""
+        await check_checkpoint(target, verify_content_hash=self.verify_content_hash)
 
-    async def transfer(self, engine: VllmEngine, target: ReloadTarget) -> TransferEvidence:
+    async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
         """``reload_weights(weights_path=...)`` on every worker of the (paused) engine.
 
         Before the RPC, refuses without mutation if the directory vanished

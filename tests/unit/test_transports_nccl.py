@@ -3,28 +3,31 @@
 The real data path (vLLM's trainer helpers, NCCL, a ``vllm serve`` on a GPU) runs in
 ``tests/gpu`` and ``bench/gpu_update.py``. Here the server is faked at the HTTP seam
 (``httpx.MockTransport``, the same routes and blocking behaviour as vLLM 0.26's dev routes) and
-the trainer side by a fake *sender* (the object that would call vLLM's helpers). That covers the
-transport's own logic: refusals before any HTTP call, version dispatch, configuration, the
-handshake order and bodies, group reuse, and what a stuck or failing collective does (bounded by
-the watchdog, group abandoned, a new port next time).
+the trainer side by a fake :class:`~updater.transports.nccl.Sender` (it records the typed
+commands that would reach vLLM's helpers). That covers the transport's own logic: refusals before
+any HTTP call, the handshake order and bodies of both API families, group reuse, and what a stuck
+or failing collective does (bounded by the watchdog, group abandoned, a new port next time). The
+package's parts have their own files: ``test_transports_nccl_{config,versions,sources,control,
+senders}.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
-from pydantic import ValidationError
+from safetensors.numpy import save_file
 
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
@@ -34,17 +37,20 @@ from updater.deadline import bounded
 from updater.transports.base import WeightsTarget
 from updater.transports.nccl import (
     CheckpointSource,
-    HttpStepError,
-    HttpWeightSyncClient,
-    ModuleSource,
     NcclConfig,
     NcclTransport,
     Packing,
-    ProcessSender,
-    SourceSpec,
+    Sender,
     WeightSource,
-    api_family,
-    check_versions,
+)
+from updater.transports.nccl.senders import (
+    Command,
+    FactoryInit,
+    FactorySend,
+    Prepare,
+    Rendezvous,
+    StaticInit,
+    StaticSend,
 )
 
 SPECS = [
@@ -68,47 +74,39 @@ class SpecSource(WeightSource):
         raise AssertionError("the fake sender never iterates")
 
 
-class Boom(WeightSource):
-    """Built by the sending child in the ProcessSender test; its ``prepare`` raises."""
-
-    def specs(self) -> list[TensorSpec]:
-        return []
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        return iter(())
-
-
-class FakeSender:
-    """Stands in for vLLM's trainer helpers: joins when the server's init arrives, 'sends' when
-    the server's update arrives; ``hang`` makes the send block until the group is abandoned
-    (as ncclCommAbort unblocks a stuck broadcast)."""
+class FakeSender(Sender):
+    """Stands in for vLLM's trainer helpers (a :class:`Sender` whose commands never reach a
+    core): joins when the server's init arrives, 'sends' when the server's update arrives;
+    ``hang`` makes the send block until the group is abandoned (as ncclCommAbort unblocks a
+    stuck broadcast). Records every command it was given."""
 
     def __init__(self, server: FakeServer, hang: bool = False) -> None:
         self.server, self.hang = server, hang
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.commands: list[Command[Any]] = []
         self.abandoned: list[str] = []
         self.unblock = threading.Event()
 
-    def call(self, op: str, *args: Any) -> Any:
-        self.calls.append((op, args))
-        if op == "static_init":
-            assert self.server.init_seen.wait(5), "server never got the init"
-            return 0.01
-        if op == "static_send":
-            if self.hang:
-                self.unblock.wait(30)
-                raise RuntimeError("communicator aborted")
-            assert self.server.update_seen.wait(5), "server never got the update"
-            self.server.data_sent.set()
-            return {"send_s": 0.01, "send_enqueue_s": 0.005}
-        if op == "factory_init":
-            return 0.0
-        if op == "factory_send":
-            return {"send_s": 0.02}
+    def run(self, command: Command[Any]) -> Any:
+        self.commands.append(command)
+        match command:
+            case StaticInit():
+                assert self.server.init_seen.wait(5), "server never got the init"
+                return 0.01
+            case StaticSend():
+                if self.hang:
+                    self.unblock.wait(30)
+                    raise RuntimeError("communicator aborted")
+                assert self.server.update_seen.wait(5), "server never got the update"
+                self.server.data_sent.set()
+                return {"send_s": 0.01, "send_enqueue_s": 0.005}
+            case FactoryInit():
+                return 0.0
+            case FactorySend():
+                return {"send_s": 0.02}
         return None
 
-    def ops(self) -> list[str]:
-        return [op for op, _ in self.calls]
+    def kinds(self) -> list[str]:
+        return [type(c).__name__ for c in self.commands]
 
     def abandon(self, key: str) -> None:
         self.abandoned.append(key)
@@ -135,6 +133,19 @@ class FakeServer:
 
     def body(self, path: str) -> Any:
         return next(b for _, p, b in self.requests if p == path)
+
+    def init_ports(self) -> list[int]:
+        """The rendezvous port of every group init received, in order."""
+        return [
+            b["init_info"]["master_port"]
+            for _, p, b in self.requests
+            if p == "/init_weight_transfer_engine"
+        ]
+
+    def rearm(self) -> None:
+        """Ready for another update: the next one waits for its own data again."""
+        self.update_seen.clear()
+        self.data_sent.clear()
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -198,153 +209,58 @@ def target(
 # ------------------------------------------------------------------------------ pure parts
 
 
-def test_module_imports_without_torch_or_vllm() -> None:
+def test_settings_and_transports_load_without_torch_or_vllm() -> None:
+    """Pins the lazy imports: loading the settings, the registry and the transports, and
+    building the NCCL transport (what the updater does at start) import neither."""
     code = (
-        "import sys, updater.transports.nccl; "
-        "bad = [m for m in ('torch', 'vllm', 'safetensors.torch') if m in sys.modules]; "
-        "assert not bad, bad"
+        "import sys\n"
+        "from updater.settings import UpdaterSettings\n"
+        "from updater.transports import preflight, registry, reload, nccl\n"
+        "registry.create(UpdaterSettings(transport='nccl')).close()\n"
+        "bad = [m for m in ('torch', 'vllm', 'safetensors.torch') if m in sys.modules]\n"
+        "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_version_dispatch() -> None:
-    assert api_family((0, 26, 0)) == "static"
-    assert api_family((0, 27, 3)) == "static"
-    assert api_family((0, 28, 0)) == "factory"
-    assert api_family((0, 33, 1)) == "factory"
-    with pytest.raises(PreflightFailed):
-        api_family((0, 25, 9))
-    assert check_versions((0, 26, 0), (0, 26, 0), same_minor=True) == "static"
-    assert check_versions((0, 32, 0), (0, 32, 1), same_minor=True) == "factory"
-    assert check_versions((0, 26, 0), (0, 27, 0), same_minor=False) == "static"
-    with pytest.raises(PreflightFailed, match="same_vllm_minor"):
-        check_versions((0, 26, 0), (0, 27, 0), same_minor=True)
-    with pytest.raises(PreflightFailed, match="different weight-transfer APIs"):
-        check_versions((0, 27, 0), (0, 28, 0), same_minor=False)
-    with pytest.raises(PreflightFailed, match="no vllm"):
-        check_versions((0, 26, 0), None, same_minor=False)
-
-
-def test_config_validation_and_ports() -> None:
-    c = NcclConfig(master_port=30000, replica_ports={"http://b:8000/": 31000}, port_stride=10)
-    assert c.port_for("http://a:8000", 0, 0) == 30000
-    assert c.port_for("http://c:8000", 2, 0) == 30002
-    assert c.port_for("http://b:8000", 1, 0) == 31000  # explicit, trailing slash normalised
-    assert c.port_for("http://b:8000", 1, 3) == 31030  # a new port per abandoned group
-    with pytest.raises(ValueError):
-        c.port_for("http://a:8000", 0, c.max_incarnations)
-    with pytest.raises(ValueError, match="out of range"):
-        NcclConfig(master_port=65530, port_stride=100).port_for("http://a", 0, 1)
-    for bad in (
-        {"master_port": 80},
-        {"master_address": ""},
-        {"device": "cpu"},
-        {"replica_ports": {"http://a": 30000, "http://b": 30000}},
-        {"replica_ports": {"http://a": 99}},
-        {"init_timeout_s": 0},
-        {"packing": {"buffer_bytes": 0}},
-        {"packing": {"num_buffers": 0}},
-        {"unknown": 1},
-    ):
-        with pytest.raises(ValidationError):
-            NcclConfig(**bad)
-
-
-def test_module_source_reads_named_parameters() -> None:
-    class T:
-        def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
-            self.shape, self.dtype, self.detached = shape, dtype, False
-
-        def detach(self) -> T:
-            self.detached = True
-            return self
-
-    params = [("a.weight", T((4, 2), "torch.bfloat16")), ("b.bias", T((4,), "torch.float32"))]
-
-    class Module:
-        def named_parameters(self) -> list[tuple[str, T]]:
-            return params
-
-    src = ModuleSource(Module())
-    assert src.specs() == [
-        TensorSpec(name="a.weight", shape=(4, 2), dtype="bfloat16"),
-        TensorSpec(name="b.bias", shape=(4,), dtype="float32"),
-    ]
-    assert src.nbytes() == 4 * 2 * 2 + 4 * 4
-    assert [n for n, t in src if t.detached] == ["a.weight", "b.bias"]
-    assert ModuleSource(lambda: params).specs() == src.specs()
-    with pytest.raises(TypeError):
-        ModuleSource(42)
-
-
-def write_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> None:
-    """A minimal safetensors file (header + zero bytes), in the given order, no torch needed."""
-    header: dict[str, Any] = {}
-    off = 0
-    for name, dtype, shape in tensors:
-        n = 2 * max(1, int(__import__("math").prod(shape)))
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-    blob = json.dumps(dict(sorted(header.items()))).encode()  # JSON order != data order
-    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(off))
-
-
-def test_checkpoint_source_order_and_service_mode_refusals(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    write_safetensors(
-        ckpt / "model.safetensors",
-        [
-            ("model.embed_tokens.weight", "BF16", [64, 8]),
-            ("model.layers.0.self_attn.q_proj.weight", "BF16", [8, 8]),
-            ("model.norm.weight", "BF16", [8]),
-        ],
+def service_checkpoint(directory: Path) -> WeightsTarget:
+    """A float32 checkpoint written without torch, and the target that names it."""
+    directory.mkdir()
+    save_file(
+        {"a.weight": np.zeros((4, 2), np.float32), "b.bias": np.zeros(4, np.float32)},
+        str(directory / "model.safetensors"),
     )
-    src = CheckpointSource(ckpt)
-    assert [s.name for s in src.specs()] == [s.name for s in SPECS]  # file (offset) order
-    assert src.manifest() == read_manifest(ckpt) == Manifest.of(SPECS)
-    assert src.spec() == SourceSpec(
-        "updater.transports.nccl:CheckpointSource", (("path", str(ckpt)), ("device", "cuda:0"))
-    )
+    manifest = read_manifest(directory)
+    ident = WeightIdentity(manifest_digest=manifest.digest, checkpoint_uri=str(directory))
+    return WeightsTarget(identity=ident, path=directory, expected_manifest=manifest)
 
+
+async def test_service_mode_checks_the_targets_checkpoint_then_loads_it(tmp_path: Path) -> None:
+    ok = service_checkpoint(tmp_path / "ckpt")
     server = FakeServer()
-    transport, _engine, _ = make(server, local="0.26.0")
+    transport, engine, sender = make(server, local="0.26.0")
     transport.source = None  # service mode: the target's checkpoint
-    ok = WeightsTarget(
-        identity=WeightIdentity(
-            manifest_digest=Manifest.of(SPECS).digest, checkpoint_uri=str(ckpt)
+    refusals = {
+        "does not exist": replace(ok, path=tmp_path / "missing"),
+        "absolute": replace(ok, path=Path("rel")),
+        "checkpoint_uri": replace(
+            ok, identity=ok.identity.model_copy(update={"checkpoint_uri": "/other"})
         ),
-        path=ckpt,
-        expected_manifest=Manifest.of(SPECS),
-    )
-    assert transport._check_manifest(ok)[1] == src.specs()
-    for bad, match in [
-        (
-            WeightsTarget(
-                identity=ok.identity,
-                path=tmp_path / "missing",
-                expected_manifest=ok.expected_manifest,
-            ),
-            "does not exist",
-        ),
-        (
-            WeightsTarget(
-                identity=ok.identity, path=Path("rel"), expected_manifest=ok.expected_manifest
-            ),
-            "absolute",
-        ),
-        (
-            WeightsTarget(
-                identity=ok.identity.model_copy(update={"checkpoint_uri": "/other"}),
-                path=ckpt,
-                expected_manifest=ok.expected_manifest,
-            ),
-            "checkpoint_uri",
-        ),
-    ]:
+    }
+    for match, bad in refusals.items():
         with pytest.raises(PreflightFailed, match=match):
-            transport._check_manifest(bad)
-    assert server.requests == []
+            await transport.preflight(engine, bad)
+    assert server.requests == [] and sender.commands == []
+    await transport.preflight(engine, ok)
+    [prepare] = sender.commands  # loaded onto the sender's GPU before the paused window
+    assert isinstance(prepare, Prepare) and isinstance(prepare.source, CheckpointSource)
+    assert (prepare.source.path, prepare.source.device) == (ok.path, transport.config.device)
+    wrong_hash = ok.identity.model_copy(update={"content_hash": "sha256:" + "1" * 64})
+    await transport.preflight(engine, replace(ok, identity=wrong_hash))  # not verified by default
+    transport.config = transport.config.model_copy(update={"verify_content_hash": True})
+    with pytest.raises(PreflightFailed, match="declared content hash"):
+        await transport.preflight(engine, replace(ok, identity=wrong_hash))
+    await engine.aclose()
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -368,7 +284,7 @@ async def test_manifest_mismatch_is_refused_before_any_http_call(specs: list[Ten
         await transport.preflight(engine, target())
     with pytest.raises(PreflightFailed):
         await transport.transfer(engine, target())
-    assert server.requests == [] and sender.calls == []
+    assert server.requests == [] and sender.commands == []
     await engine.aclose()
 
 
@@ -386,8 +302,37 @@ async def test_identity_and_version_refusals() -> None:
         with pytest.raises(PreflightFailed):
             await transport.transfer(engine, target())
         assert {p for p in server.paths()} <= {"GET /version", "GET /v1/models"}
-        assert sender.calls == []
+        assert sender.commands == []
         await engine.aclose()
+
+
+class CountingSource(SpecSource):
+    """Counts how often its parameters are read (each read is one manifest check)."""
+
+    reads = 0
+
+    def specs(self) -> list[TensorSpec]:
+        self.reads += 1
+        return super().specs()
+
+
+async def test_the_target_is_checked_once_per_transfer_path() -> None:
+    """Pins the single check: the transfer that follows a preflight of the same target uses what
+    the preflight checked; a transfer without it checks itself; another target is checked."""
+    server = FakeServer()
+    src = CountingSource()
+    transport, engine, _sender = make(server, src)
+    await transport.preflight(engine, target())
+    await transport.transfer(engine, target())
+    assert src.reads == 1
+    server.rearm()
+    await transport.transfer(engine, target())  # no preflight this time
+    assert src.reads == 2
+    await transport.preflight(engine, target())
+    with pytest.raises(PreflightFailed, match="identity mismatch"):
+        await transport.transfer(engine, target(digest="sha256:other"))
+    assert src.reads == 4
+    await engine.aclose()
 
 
 async def test_unpaused_engine_is_no_mutation() -> None:
@@ -395,7 +340,7 @@ async def test_unpaused_engine_is_no_mutation() -> None:
     transport, engine, sender = make(server)
     with pytest.raises(NoMutation, match="not paused"):
         await transport.transfer(engine, target())
-    assert "POST /start_weight_update" not in server.paths() and sender.calls == []
+    assert "POST /start_weight_update" not in server.paths() and sender.commands == []
     await engine.aclose()
 
 
@@ -409,12 +354,7 @@ async def test_refused_group_init_is_no_mutation_and_moves_the_port() -> None:
     assert server.body("/init_weight_transfer_engine")["init_info"]["master_port"] == 30000
     server.fail.clear()
     await transport.transfer(engine, target())
-    ports = [
-        b["init_info"]["master_port"]
-        for _, p, b in server.requests
-        if p == "/init_weight_transfer_engine"
-    ]
-    assert ports == [30000, 30010]
+    assert server.init_ports() == [30000, 30010]
     await engine.aclose()
 
 
@@ -459,20 +399,20 @@ async def test_static_handshake_order_bodies_and_group_reuse() -> None:
         "packed_num_buffers": 4,
     }
     key = "http://replica.test#0"
-    assert sender.calls[0] == ("static_init", (key, "10.0.0.5", 30100, 2))
-    assert sender.calls[1][0] == "static_send" and sender.calls[1][1][0] == key
-    assert sender.calls[1][1][2] == transport.packing
+    assert sender.commands[0] == StaticInit(Rendezvous(key, "10.0.0.5", 30100, 2))
+    send = sender.commands[1]
+    assert isinstance(send, StaticSend) and send.key == key
+    assert send.packing == transport.packing and send.chunk_timings is False
     detail = json.loads(ev.detail)
     assert detail["family"] == "static" and detail["world_size"] == 2
     assert transport.last["http://replica.test"]["step"] == "done"
 
     # the second transfer reuses the group: no init, same key
     server.requests.clear()
-    server.update_seen.clear()
-    server.data_sent.clear()
+    server.rearm()
     await transport.transfer(engine, target())
     assert "POST /init_weight_transfer_engine" not in server.paths()
-    assert sender.ops() == ["static_init", "static_send", "static_send"]
+    assert sender.kinds() == ["StaticInit", "StaticSend", "StaticSend"]
     assert sender.abandoned == []
     await engine.aclose()
 
@@ -524,15 +464,9 @@ async def test_forget_abandons_the_group() -> None:
     await transport.transfer(engine, target())
     transport.forget("http://replica.test/")
     assert sender.abandoned == ["http://replica.test#0"]
-    server.update_seen.clear()
-    server.data_sent.clear()
+    server.rearm()
     await transport.transfer(engine, target())
-    ports = [
-        b["init_info"]["master_port"]
-        for _, p, b in server.requests
-        if p == "/init_weight_transfer_engine"
-    ]
-    assert ports == [30300, 30305]
+    assert server.init_ports() == [30300, 30305]
     await engine.aclose()
 
 
@@ -541,85 +475,28 @@ async def test_factory_api_for_028_and_later() -> None:
     transport, engine, sender = make(server, local="0.28.0", master_port=30400)
     ev = await transport.transfer(engine, target())
     assert ev.ok and json.loads(ev.detail)["family"] == "factory"
-    assert sender.ops() == ["factory_init", "factory_send"]
-    key, addr, port, ws, packing, client = sender.calls[0][1]
-    assert (key, addr, port, ws, packing) == (
-        "http://replica.test#0",
-        "127.0.0.1",
-        30400,
-        2,
-        transport.packing,
-    )
-    assert isinstance(client, HttpWeightSyncClient) and client.base_url == "http://replica.test"
+    assert sender.kinds() == ["FactoryInit", "FactorySend"]
+    init = sender.commands[0]
+    assert isinstance(init, FactoryInit)
+    assert init.at == Rendezvous("http://replica.test#0", "127.0.0.1", 30400, 2)
+    assert init.packing == transport.packing
+    assert init.client.base_url == "http://replica.test"
+    assert init.client.init_timeout_s == transport.config.init_timeout_s
     # vLLM's engine drives start/update/finish through the client: the transport sends none
     assert not {"POST /start_weight_update", "POST /update_weights"} & set(server.paths())
     # packing rides the init info from 0.28 on: a new packing means a new group
     await transport.transfer(engine, target())
     transport.packing = Packing(buffer_bytes=512 << 20)
     await transport.transfer(engine, target())
-    assert sender.ops() == [
-        "factory_init",
-        "factory_send",
-        "factory_send",
-        "factory_init",
-        "factory_send",
+    assert sender.kinds() == [
+        "FactoryInit",
+        "FactorySend",
+        "FactorySend",
+        "FactoryInit",
+        "FactorySend",
     ]
     assert sender.abandoned == ["http://replica.test#0"]
     await engine.aclose()
-
-
-def test_http_sync_client_routes_and_errors() -> None:
-    seen: list[tuple[str, Any]] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
-        seen.append((request.url.path, body))
-        if request.url.path == "/finish_weight_update" and body:
-            return httpx.Response(422, json={"detail": "bad"})
-        if request.url.path == "/update_weights":
-            return httpx.Response(500, json={"error": "boom"})
-        return httpx.Response(200, json={"message": "ok"})
-
-    c = HttpWeightSyncClient("http://x/", transport=httpx.MockTransport(handler))
-    c.init_weight_transfer_engine({"master_port": 1})
-    c.start_weight_update()
-    c.finish_weight_update()
-    with pytest.raises(HttpStepError) as e:
-        c.update_weights({"names": []})
-    assert e.value.status == 500 and not e.value.refused
-    with pytest.raises(HttpStepError) as e:
-        c.finish_weight_update("v1")
-    assert e.value.refused
-    assert seen == [
-        ("/init_weight_transfer_engine", {"init_info": {"master_port": 1}}),
-        ("/start_weight_update", None),
-        ("/finish_weight_update", None),
-        ("/update_weights", {"update_info": {"names": []}}),
-        ("/finish_weight_update", {"weight_version": "v1"}),
-    ]
-
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    c = HttpWeightSyncClient("http://x", transport=httpx.MockTransport(refuse))
-    with pytest.raises(HttpStepError) as e:
-        c.start_weight_update()
-    assert e.value.refused and not e.value.sent
-
-
-def test_process_sender_reports_errors_and_restarts_after_kill() -> None:
-    sender = ProcessSender("cuda:0")
-    try:
-        spec = SourceSpec(f"{__name__}:Boom")
-        assert sender.call("source", spec).specs() == []  # built in the child, sent back
-        pid, epoch = sender.pid, sender.epoch
-        with pytest.raises(RuntimeError, match="sender process: source: ModuleNotFound"):
-            sender.call("source", SourceSpec("no_such_module_here:X"))
-        sender.abandon("any")  # kills the child with every group it held
-        assert sender.call("source", spec).specs() == []
-        assert sender.pid != pid and sender.epoch == epoch + 1
-    finally:
-        sender.close()
 
 
 def test_process_sender_needs_a_rebuildable_source() -> None:

@@ -1,0 +1,224 @@
+"""What the NCCL transport sends: a :class:`WeightSource` yields ``(name, tensor)`` on the
+sender's GPU in a fixed order, and declares that order without data (:meth:`WeightSource.specs`).
+
+* :class:`ModuleSource` — in process: a trainer's ``torch.nn.Module`` (or a callable returning
+  named tensors), sent as it is.
+* :class:`CheckpointSource` — service mode: a safetensors checkpoint directory, loaded onto the
+  sender's GPU.
+* :class:`SourceSpec` — a picklable recipe that rebuilds a source in another process (the
+  sending child of ``sender="process"``).
+* :class:`SourceSlot` — holds one built source at a time (one checkpoint on the GPU).
+
+Where things run: :meth:`~WeightSource.specs` is cheap and runs wherever the transport checks the
+target (a worker thread of the updater); :meth:`~WeightSource.prepare` and iteration block (disk
+reads, host-to-GPU copies) and run in the sender's thread or process, never on the event loop. A
+failed ``prepare`` leaves nothing loaded. ``torch`` and ``safetensors.torch`` are imported on the
+first ``prepare``, never at module load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from pool.checkpoint import read_header, read_manifest, safetensors_files
+from pool.types import Manifest, TensorSpec
+
+__all__ = [
+    "CheckpointSource",
+    "ModuleSource",
+    "SourceSlot",
+    "SourceSpec",
+    "WeightSource",
+    "import_untyped",
+    "nbytes_of",
+]
+
+
+def import_untyped(name: str) -> Any:
+    """Import ``name`` lazily, untyped: torch / vLLM / safetensors.torch differ by version and
+    are absent on CPU-only machines, so nothing here is typed against one of them."""
+    return importlib.import_module(name)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A picklable recipe for a :class:`WeightSource`: ``factory`` is ``"module:qualname"``,
+    called with ``kwargs``. Lets a sending child process build the same source."""
+
+    factory: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def build(self) -> WeightSource:
+        module, _, qual = self.factory.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        src = obj(**dict(self.kwargs))
+        if not isinstance(src, WeightSource):
+            raise TypeError(f"{self.factory} built {type(src).__name__}, not a WeightSource")
+        return src
+
+
+class WeightSource(ABC):
+    """The weights to send, on the sender's GPU: ``specs()`` in send order (cheap, no data),
+    then iteration yields ``(name, tensor)`` in exactly that order."""
+
+    @abstractmethod
+    def specs(self) -> list[TensorSpec]:
+        """Names, shapes and dtypes, in the order :meth:`__iter__` yields them."""
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(name, tensor)`` (CUDA tensors, no autograd history)."""
+
+    def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Load whatever iteration needs (e.g. a checkpoint onto the GPU). Idempotent."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Drop what :meth:`prepare` loaded (the next ``prepare`` loads it again)."""
+
+    def spec(self) -> SourceSpec | None:
+        """A recipe to rebuild this source in another process, or None if it cannot be."""
+        return None
+
+    def manifest(self) -> Manifest:
+        return Manifest.of(self.specs())
+
+    def nbytes(self) -> int:
+        return nbytes_of(self.specs())
+
+
+_DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
+    "complex64": 8,
+}
+
+
+def nbytes_of(specs: Iterable[TensorSpec]) -> int:
+    """Bytes on the wire for ``specs`` (a dtype not in the table counts 0)."""
+    return sum(math.prod(s.shape) * _DTYPE_BYTES.get(s.dtype, 0) for s in specs)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+NamedParams = Callable[[], Iterable[tuple[str, Any]]]
+
+
+class ModuleSource(WeightSource):
+    """In-process source: a ``torch.nn.Module`` (its ``named_parameters()``) or a callable that
+    returns such ``(name, tensor)`` pairs each time it is called. Tensors are sent as they are
+    (detached); the caller must not step the optimizer while a transfer runs."""
+
+    def __init__(self, model: Any) -> None:
+        if callable(getattr(model, "named_parameters", None)):
+            self._named: NamedParams = model.named_parameters
+        elif callable(model):
+            self._named = model
+        else:
+            raise TypeError("ModuleSource needs a module or a callable returning named tensors")
+
+    def specs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(name=n, shape=tuple(int(d) for d in p.shape), dtype=_dtype_name(p.dtype))
+            for n, p in self._named()
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for name, p in self._named():
+            yield name, p.detach()
+
+
+class CheckpointSource(WeightSource):
+    """Service-mode source: a safetensors checkpoint directory, loaded onto ``device`` by
+    :meth:`prepare` and sent in file order (each file's tensors by offset: the writer's order,
+    which for a Hugging Face save is ``named_parameters()`` order and keeps vLLM's layerwise
+    reload from buffering more than one layer). ``specs()`` reads headers only (no torch) and
+    is cached: a checkpoint directory is not expected to change under its path."""
+
+    def __init__(self, path: str | Path, device: str = "cuda:0") -> None:
+        self.path = Path(path)
+        self.device = device
+        self._tensors: dict[str, Any] | None = None
+        self._specs: list[TensorSpec] | None = None
+
+    def specs(self) -> list[TensorSpec]:
+        if self._specs is None:
+            manifest = read_manifest(self.path).by_name()  # validates every header
+            order: list[str] = []
+            for file in safetensors_files(self.path):
+                header = read_header(file)
+                names = [n for n in header if n != "__metadata__"]
+                names.sort(key=lambda n: header[n].get("data_offsets", [0])[0])
+                order += names
+            self._specs = [manifest[n] for n in order]
+        return list(self._specs)
+
+    def prepare(self) -> None:
+        if self._tensors is not None:
+            return
+        load_file = import_untyped("safetensors.torch").load_file  # torch needed from here on
+        tensors: dict[str, Any] = {}
+        for file in safetensors_files(self.path):
+            tensors.update(load_file(str(file), device=self.device))
+        self._tensors = tensors
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        self.prepare()
+        assert self._tensors is not None
+        for s in self.specs():
+            yield s.name, self._tensors[s.name]
+
+    def spec(self) -> SourceSpec | None:
+        return SourceSpec(
+            f"{type(self).__module__}:{type(self).__qualname__}",
+            (("path", str(self.path)), ("device", self.device)),
+        )
+
+    def release(self) -> None:
+        self._tensors = None
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class SourceSlot(Generic[K]):
+    """At most one built source at a time, so at most one checkpoint sits on the sender's GPU:
+    asking for another key releases the source held before building the new one. Used from one
+    thread at a time."""
+
+    def __init__(self) -> None:
+        self._key: K | None = None
+        self._source: WeightSource | None = None
+
+    def get(self, key: K, build: Callable[[], WeightSource]) -> WeightSource:
+        """The source held for ``key``, built by ``build`` unless it is the one held. If
+        ``build`` raises, the slot is left empty (the previous source already released)."""
+        if self._source is None or self._key != key:
+            old, self._source = self._source, None
+            if old is not None:
+                old.release()
+            self._source, self._key = build(), key
+        return self._source
