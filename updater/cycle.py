@@ -4,11 +4,12 @@ For one replica and one target generation::
 
     preflight (read-only)                     refused -> replica untouched, still READY
     READY -> DRAINING        fenced CAS: admissions close here (I1)
-    wait until the store's active bindings are 0 (policy ``wait``), or abort them after
-                             ``drain_timeout_s`` (policy ``abort``: marked aborted, never lost)
+    wait until the store's active bindings are 0, at most ``drain_timeout_s`` (policy
+                             ``wait``) or not at all (``abort``); what is left is aborted with
+                             a reason (marked aborted in its provenance, never lost)
     POST /pause?clear_cache=false   DrainEvidence: store closed + 0 active; engine paused, idle
     DRAINING -> QUIESCED -> UPDATING            (the store refuses both with active bindings: I2)
-    transfer                 under the watchdog deadline (I5)
+    transfer                 under its deadline (I5)
     UPDATING -> INVALIDATING reset prefix (body checked) + mm + encoder caches
     INVALIDATING -> VALIDATING  set the label; resume the engine; probe; read the label back
     VALIDATING -> RESUMING -> READY(g+1)        publishes g+1 if it is the first replica on it
@@ -36,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -65,11 +66,15 @@ from updater.transports.base import Transport, WeightsTarget
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+T = TypeVar("T")
 
 
 class DrainPolicy(StrEnum):
-    WAIT = "wait"  # strict: wait for every binding to end, however long
-    ABORT = "abort"  # after drain_timeout_s, abort what is left (marked aborted in provenance)
+    """How a drain ends. Every drain ends: what is still bound when it ends is aborted with a
+    reason (the binding's provenance says why), never dropped silently."""
+
+    WAIT = "wait"  # let bindings end on their own, for at most drain_timeout_s
+    ABORT = "abort"  # abort what is bound right away (fastest update; rollouts are cut)
 
 
 class Deadlines(BaseModel):
@@ -172,6 +177,25 @@ class CycleRunner:
         #: greedy probe). A GPU harness on bf16 weights plugs in a teacher-forced log-prob check.
         self.validate: Validator = validator or self.probe_validate
 
+    # ------------------------------------------------------------------ engine steps
+
+    async def _engine(
+        self,
+        step: str,
+        call: Callable[[], Awaitable[T]],
+        deadline_s: float,
+        *,
+        mutating: bool,
+        fenced: bool = True,
+    ) -> T:
+        """One engine step under its deadline (I5). Redis writes are fenced by the store's
+        scripts, engine calls are not: a ``fenced`` step (anything that changes the engine's
+        state: pause, transfer, cache resets, label, resume) starts only while the updater lease
+        cannot have lapsed (:meth:`pool.store.UpdaterLease.require`, else StaleFencingToken)."""
+        if fenced:
+            self.lease.require()
+        return await bounded(step, call(), deadline_s, mutating=mutating)
+
     # ------------------------------------------------------------------ commits
 
     async def commit(self, h: ReplicaHandle, event: Event, *, reason: str = "") -> None:
@@ -223,7 +247,9 @@ class CycleRunner:
         report.reason = f"{step}: {exc}"
         try:
             res = (
-                await bounded("resume", h.engine.resume(), self.deadlines.resume_s, mutating=False)
+                await self._engine(
+                    "resume", lambda: h.engine.resume(), self.deadlines.resume_s, mutating=False
+                )
                 if paused
                 else None
             )
@@ -246,11 +272,12 @@ class CycleRunner:
 
         with timer("preflight"):
             try:
-                await bounded(
+                await self._engine(
                     "preflight",
-                    self.transport.preflight(h.engine, target),
+                    lambda: self.transport.preflight(h.engine, target),
                     d.preflight_s,
                     mutating=False,
+                    fenced=False,
                 )
             except Exception as e:
                 report.outcome, report.reason = ReplicaOutcome.REFUSED, f"preflight: {e}"
@@ -270,9 +297,9 @@ class CycleRunner:
             try:
                 # clear_cache=False: the INVALIDATING step's checked reset is the one that
                 # counts (and the one the stale-cache proof exercises), not a side effect here.
-                pause = await bounded(
+                pause = await self._engine(
                     "pause",
-                    h.engine.pause("abort" if aborted else "wait", clear_cache=False),
+                    lambda: h.engine.pause("abort" if aborted else "wait", clear_cache=False),
                     d.pause_s,
                     mutating=False,
                 )
@@ -295,28 +322,33 @@ class CycleRunner:
         try:
             await self.commit(h, TransferStarted(t.identity.digest))
             with timer("transfer"):
-                ev = await bounded(
+                ev = await self._engine(
                     "transfer",
-                    self.transport.transfer(h.engine, target),
+                    lambda: self.transport.transfer(h.engine, target),
                     d.transfer_s,
                     mutating=True,
                 )
                 await self.commit(h, ev)
             step = "invalidate"
             with timer("invalidate"):
-                reset = await bounded(
-                    "invalidate", h.engine.reset_caches(), d.reset_s, mutating=True
+                reset = await self._engine(
+                    "invalidate", lambda: h.engine.reset_caches(), d.reset_s, mutating=True
                 )
                 await self.commit(h, reset)
             step = "validate"
             with timer("validate"):
-                valid = await bounded(
-                    "validate", self.validate(h, t.generation, t.probe), d.validate_s, mutating=True
+                valid = await self._engine(
+                    "validate",
+                    lambda: self.validate(h, t.generation, t.probe),
+                    d.validate_s,
+                    mutating=True,
                 )
                 await self.commit(h, valid)
             step = "resume"
             with timer("resume"):
-                paused = await bounded("resume", h.engine.is_paused(), d.resume_s, mutating=True)
+                paused = await self._engine(
+                    "resume", lambda: h.engine.is_paused(), d.resume_s, mutating=True
+                )
                 await self.commit(h, ResumeEvidence(200, paused))
         except Exception as e:
             await self._taint(h, step, e)
@@ -330,12 +362,11 @@ class CycleRunner:
         return report
 
     async def _wait_drained(self, h: ReplicaHandle, report: ReplicaReport) -> list[str]:
-        """Wait for the replica's active bindings to reach 0 (see :class:`DrainPolicy`)."""
-        deadline = (
-            time.monotonic() + self.drain_timeout_s
-            if self.drain_policy is DrainPolicy.ABORT
-            else None
-        )
+        """Wait for the replica's active bindings to reach 0, for at most ``drain_timeout_s``
+        (policy ``wait``) or not at all (``abort``), then abort the rest with a reason. Returns
+        the ids aborted."""
+        wait_s = self.drain_timeout_s if self.drain_policy is DrainPolicy.WAIT else 0.0
+        deadline = time.monotonic() + wait_s
         while True:
             rec = await self.store.replica(h.replica_id)
             if rec.state is S.TAINTED:
@@ -345,10 +376,14 @@ class CycleRunner:
                 raise CycleError(report)
             if rec.active == 0:
                 return []
-            if deadline is not None and time.monotonic() >= deadline:
-                return await self.store.abort_active(
-                    h.replica_id, f"drain timeout {self.drain_timeout_s:g}s (policy=abort)"
+            if time.monotonic() >= deadline:
+                why = (
+                    f"drain ended after {wait_s:g} s (policy=wait): aborted so the update of "
+                    f"{h.replica_id} can proceed"
+                    if self.drain_policy is DrainPolicy.WAIT
+                    else f"aborted by the update of {h.replica_id} (drain policy=abort)"
                 )
+                return await self.store.abort_active(h.replica_id, why)
             await asyncio.sleep(self.drain_poll_s)
 
     async def probe_validate(
@@ -392,7 +427,13 @@ class CycleRunner:
         step = "bootstrap"
         try:
             with timer("bootstrap"):
-                caps = await bounded("bootstrap", h.engine.bootstrap(), d.resume_s, mutating=False)
+                caps = await self._engine(
+                    "bootstrap",
+                    lambda: h.engine.bootstrap(),
+                    d.resume_s,
+                    mutating=False,
+                    fenced=False,
+                )
                 process = (await h.engine.metrics(timeout_s=d.resume_s)).process
             if checkpoint is not None:
                 target = WeightsTarget(
@@ -400,16 +441,19 @@ class CycleRunner:
                 )
                 step = "load"
                 with timer("load"):
-                    await bounded(
+                    await self._engine(
                         "preflight",
-                        self.transport.preflight(h.engine, target),
+                        lambda: self.transport.preflight(h.engine, target),
                         d.preflight_s,
                         mutating=False,
+                        fenced=False,
                     )
-                    await bounded("pause", h.engine.pause("wait"), d.pause_s, mutating=True)
-                    ev = await bounded(
+                    await self._engine(
+                        "pause", lambda: h.engine.pause("wait"), d.pause_s, mutating=True
+                    )
+                    ev = await self._engine(
                         "transfer",
-                        self.transport.transfer(h.engine, target),
+                        lambda: self.transport.transfer(h.engine, target),
                         d.transfer_s,
                         mutating=True,
                     )
@@ -417,15 +461,18 @@ class CycleRunner:
                         raise LifecycleError(f"transfer failed: {ev.detail}")
             step = "invalidate"
             with timer("invalidate"):
-                reset = await bounded(
-                    "invalidate", h.engine.reset_caches(), d.reset_s, mutating=True
+                reset = await self._engine(
+                    "invalidate", lambda: h.engine.reset_caches(), d.reset_s, mutating=True
                 )
                 if not reset.proves_reset:
                     raise LifecycleError(f"cache reset not proven: {reset.detail}")
             step = "validate"
             with timer("validate"):
-                valid = await bounded(
-                    "validate", self.validate(h, generation, probe), d.validate_s, mutating=True
+                valid = await self._engine(
+                    "validate",
+                    lambda: self.validate(h, generation, probe),
+                    d.validate_s,
+                    mutating=True,
                 )
             if (await h.engine.metrics(timeout_s=d.resume_s)).process != process:
                 raise LifecycleError("the server process changed during the bootstrap")

@@ -242,23 +242,31 @@ async def test_stuck_transfer_taints_within_deadline_then_recovers(pool: Pool) -
     assert await serve(p, "recovered", 4) == (marker_token(cur.number),) * 4
 
 
-async def test_abort_policy_ends_a_stuck_drain_and_records_it(pool: Pool) -> None:
-    """Policy ``abort``: a binding still open after ``drain_timeout_s`` is marked aborted in its
-    provenance (never silently lost), and the update goes on."""
+@pytest.mark.parametrize(
+    ("policy", "waits_s", "why"),
+    [(DrainPolicy.WAIT, 1.0, "policy=wait"), (DrainPolicy.ABORT, 0.0, "drain policy=abort")],
+)
+async def test_every_drain_ends_and_records_what_it_cut(
+    pool: Pool, policy: DrainPolicy, waits_s: float, why: str
+) -> None:
+    """A session nobody closes (a heartbeating client) used to keep a ``wait`` drain open
+    forever (audit, issue 11: ``drain_timeout_s`` was ignored with ``wait``). Every drain ends:
+    ``wait`` after ``drain_timeout_s``, ``abort`` at once; the binding is marked aborted with the
+    reason in its provenance (never silently lost), and the update goes on."""
     p = pool
     cur = p.handle.lc.generation
     assert cur is not None
     g = cur.number + 1
-    await p.store.admit("held-open", "r0", session=True)  # a session nobody closes
+    await p.store.admit(f"held-open-{policy}", "r0", session=True)
     runner = CycleRunner(
-        p.store, p.lease, ReloadTransport(), drain_policy=DrainPolicy.ABORT, drain_timeout_s=1.0
+        p.store, p.lease, ReloadTransport(), drain_policy=policy, drain_timeout_s=1.0
     )
     t0 = time.monotonic()
     report = await runner.run(p.handle, target(g))
-    assert report.outcome == "ready" and report.aborted_rollouts == ["held-open"]
-    assert 1.0 <= report.phases["drain"] < 5 and time.monotonic() - t0 < 10
-    b = await p.store.binding("held-open")
-    assert b.state is BindingState.ABORTED and "drain timeout" in b.reason
+    assert report.outcome == "ready" and report.aborted_rollouts == [f"held-open-{policy}"]
+    assert waits_s <= report.phases["drain"] < waits_s + 4 and time.monotonic() - t0 < 10
+    b = await p.store.binding(f"held-open-{policy}")
+    assert b.state is BindingState.ABORTED and why in b.reason
     assert await serve(p, f"after-abort-{g}", 4) == (marker_token(g),) * 4
 
 
