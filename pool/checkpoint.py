@@ -11,6 +11,13 @@ are supported: when an index file exists, exactly the shards it names are read; 
 
 Everything here raises :class:`CheckpointError` (a :class:`~pool.errors.PreflightFailed`) for an
 unreadable or malformed checkpoint: refusing a checkpoint never mutates anything.
+
+**Confinement.** A checkpoint is the files *inside* its directory: an index may name shards only by
+plain file names (no ``/``, no ``..``, not absolute), and every shard must resolve, symlinks
+followed, to a regular file inside the directory. Anything else is refused before it is opened,
+and error messages never quote bytes read from a file. (A Hugging Face cache *snapshot* links its
+files to blobs outside the snapshot directory: push a directory of real files instead, e.g.
+``snapshot_download(..., local_dir=...)`` or the trainer's ``save_pretrained`` output.)
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ __all__ = [
     "read_header",
     "read_manifest",
     "safetensors_files",
+    "vocab_size",
 ]
 
 #: safetensors dtype tag -> torch attribute name (``getattr(torch, name)``).
@@ -79,11 +87,21 @@ def safetensors_files(directory: Path) -> list[Path]:
         )
     index = directory / INDEX_FILE
     if index.is_file():
+        _confined(directory, index)
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"unreadable index {index}: {e}", path=str(directory)) from e
+        bad = [
+            n for n in names if not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..")
+        ]
+        if bad:
+            raise CheckpointError(
+                f"index {INDEX_FILE} names shards that are not plain file names in the "
+                f"checkpoint directory: {bad[:5]!r}",
+                path=str(directory),
+            )
         files = [directory / n for n in names]
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
@@ -91,10 +109,28 @@ def safetensors_files(directory: Path) -> list[Path]:
                 f"index {INDEX_FILE} names missing shards: {missing}", path=str(directory)
             )
     else:
-        files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+        files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors file in {directory}", path=str(directory))
+    for file in files:
+        _confined(directory, file)
     return files
+
+
+def _confined(directory: Path, file: Path) -> None:
+    """Refuse ``file`` unless it resolves to a regular file inside ``directory``."""
+    try:
+        target = file.resolve(strict=True)
+        inside = target.is_relative_to(directory.resolve(strict=True))
+    except (OSError, RuntimeError):  # dangling link, loop
+        inside = False
+        target = file
+    if not inside or not target.is_file():
+        raise CheckpointError(
+            f"{file.name} is not a regular file inside the checkpoint directory {directory} "
+            "(symlinks must stay inside it)",
+            path=str(directory),
+        )
 
 
 def read_header(file: Path) -> dict[str, Any]:
@@ -109,8 +145,10 @@ def read_header(file: Path) -> dict[str, Any]:
             if len(raw_len) != 8:
                 raise CheckpointError(f"{file}: too short for a safetensors header", path=str(file))
             (n,) = struct.unpack("<Q", raw_len)
-            if n <= 1 or n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{file}: implausible header length {n}", path=str(file))
+            if n <= 1 or n > MAX_HEADER_BYTES:  # the value is not echoed: it is file content
+                raise CheckpointError(
+                    f"{file}: not a safetensors file (implausible header length)", path=str(file)
+                )
             blob = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}", path=str(file)) from e
@@ -121,7 +159,7 @@ def read_header(file: Path) -> dict[str, Any]:
     try:
         header = json.loads(blob)
     except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{file}: header is not JSON: {e}", path=str(file)) from e
+        raise CheckpointError(f"{file}: header is not JSON", path=str(file)) from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: header is not a JSON object", path=str(file))
     return header
@@ -175,3 +213,19 @@ def content_hash(directory: Path, chunk_bytes: int = 1 << 20) -> str:
             while chunk := f.read(chunk_bytes):
                 h.update(chunk)
     return "sha256:" + h.hexdigest()
+
+
+def vocab_size(directory: Path) -> int | None:
+    """The model's vocabulary size: ``vocab_size`` of ``config.json`` (Hugging Face layout),
+    else the rows of the input embedding (a 2-D tensor whose name ends in ``embed_tokens.weight``);
+    None if neither says."""
+    try:
+        value = json.loads((directory / "config.json").read_text()).get("vocab_size")
+        if isinstance(value, int) and value > 0:
+            return value
+    except (OSError, ValueError, AttributeError):
+        pass
+    for spec in read_manifest(directory).tensors:
+        if spec.name.endswith("embed_tokens.weight") and len(spec.shape) == 2:
+            return spec.shape[0]
+    return None

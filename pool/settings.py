@@ -5,8 +5,21 @@ Built once in each ``__main__`` and passed down; nothing else reads the environm
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+import re
+
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_PLACEHOLDER = re.compile(r"change[-_ ]?me|replace[-_ ]?me|<[^>]*>", re.IGNORECASE)
+
+
+def refuse_placeholder(secret: SecretStr | None, what: str) -> SecretStr | None:
+    """``secret`` unless it is a template placeholder (``CHANGE-ME-...``, ``<token>``): a
+    deployment that forgot to set a real secret must fail to start, not run with a published one.
+    The error names the setting, never the value."""
+    if secret is not None and _PLACEHOLDER.search(secret.get_secret_value()):
+        raise ValueError(f"{what} is still a placeholder from the templates: set a real secret")
+    return secret
 
 
 class StoreSettings(BaseSettings):
@@ -28,3 +41,8 @@ class StoreSettings(BaseSettings):
     binding_retention_s: float = Field(default=7 * 24 * 3600, gt=0)
     journal_maxlen: int = Field(default=1_000_000, ge=1000)
     updater_lease_s: float = Field(default=15.0, gt=0)
+
+    @field_validator("password")
+    @classmethod
+    def _real_password(cls, v: SecretStr | None) -> SecretStr | None:
+        return refuse_placeholder(v, "the Redis password")

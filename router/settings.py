@@ -16,6 +16,8 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from pool.settings import refuse_placeholder
+
 MIB = 1024 * 1024
 
 
@@ -82,7 +84,14 @@ class RouterSettings(BaseSettings):
     def _no_empty_keys(cls, v: list[SecretStr]) -> list[SecretStr]:
         if any(not k.get_secret_value() for k in v):
             raise ValueError("api_keys must not contain an empty key")
+        for i, key in enumerate(v):
+            refuse_placeholder(key, f"api key #{i + 1}")
         return v
+
+    @field_validator("admin_token")
+    @classmethod
+    def _real_admin_token(cls, v: SecretStr | None) -> SecretStr | None:
+        return refuse_placeholder(v, "the router admin token")
 
     @model_validator(mode="after")
     def _admin_is_not_a_client_key(self) -> RouterSettings:

@@ -7,8 +7,11 @@ document (:mod:`updater.openapi`) is built from these models.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class ProbeSpec(BaseModel):
@@ -17,8 +20,8 @@ class ProbeSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_token_ids: list[int] = Field(min_length=1, max_length=4096)
-    expected_token_ids: list[int] = Field(min_length=1, max_length=256)
+    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=4096)
+    expected_token_ids: list[TokenId] = Field(min_length=1, max_length=256)
 
 
 class UpdateRequest(BaseModel):
@@ -27,7 +30,11 @@ class UpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: str = Field(min_length=1, description="absolute path of a safetensors directory")
-    label: str | None = Field(default=None, max_length=128)
+    label: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.:+-]{1,128}$",
+        description="unique name of the new generation (default g<number>)",
+    )
     trainer_run: str = ""
     step: int | None = Field(default=None, ge=0)
     content_hash: str | None = None

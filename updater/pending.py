@@ -49,6 +49,10 @@ class PendingUpdates:
         """Generation numbers allocated to live updates (not declared in the store yet)."""
         return [u.record.generation for u in self._live.values()]
 
+    def labels(self) -> dict[str, int]:
+        """Label -> generation number of the live updates."""
+        return {u.record.label: u.record.generation for u in self._live.values()}
+
     def newest_queued_after(self, update: PendingUpdate) -> int | None:
         """The newest generation queued behind ``update``, if any (it supersedes ``update``)."""
         newer = [

@@ -27,9 +27,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pool.checkpoint import read_manifest
+from pool.checkpoint import read_manifest, vocab_size
 from pool.engine import VllmEngine
-from pool.errors import EngineError, RolloutPoolError
+from pool.errors import EngineError, PreflightFailed, RolloutPoolError, StoreConflict
 from pool.launcher import LocalReplica
 from pool.lifecycle import Lifecycle
 from pool.metrics import UpdaterMetrics
@@ -45,6 +45,7 @@ from updater.settings import UpdaterSettings
 from updater.supervisor import WAITING_FOR_RESTART, Supervisor
 from updater.transports import registry as transports
 from updater.transports.base import Transport, WeightsTarget
+from updater.transports.preflight import check_provenance, check_weights
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -243,8 +244,13 @@ class Updater:
     # ------------------------------------------------------------------ updates
 
     async def submit(self, req: UpdateRequest) -> UpdateRecord:
-        """Check the checkpoint (read-only preflight against the pool's manifest), allocate the
-        next generation number and queue the update. Raises :class:`PreflightFailed`."""
+        """Check the update (read-only), allocate the next generation number and queue it.
+
+        Refuses, with nothing queued: a checkpoint that is not what the pool serves (manifest,
+        declared identity, content hash: :class:`PreflightFailed`), probe token ids outside the
+        model's vocabulary (:class:`PreflightFailed`), a label another generation already has
+        (:class:`StoreConflict`). Without a label the generation is named ``g<number>``.
+        """
         path = Path(req.checkpoint)
         first = next(iter(self.replicas.values()))
         manifest = await asyncio.to_thread(read_manifest, path)  # PreflightFailed: refused
@@ -255,11 +261,13 @@ class Updater:
             step=req.step,
             content_hash=req.content_hash,
         )
-        await self.runner.transport.preflight(
-            first.handle.engine, WeightsTarget(ident, path, first.handle.manifest)
-        )
+        target = WeightsTarget(ident, path, first.handle.manifest)
+        check_weights(target, manifest)
+        await check_provenance(target, verify_content_hash=True)
+        await self._check_probe(path, req)
         number = await self._next_number()
-        gen = Generation(number=number, label=req.label or f"g{number}")
+        label = await self._free_label(req.label, number)
+        gen = Generation(number=number, label=label)
         probe = Probe(tuple(req.probe.prompt_token_ids), tuple(req.probe.expected_token_ids))
         rec = UpdateRecord(
             id=f"up-{uuid.uuid4().hex[:12]}",
@@ -273,6 +281,36 @@ class Updater:
         await self.store.save_update(rec)
         self.pending.add(PendingUpdate(rec, UpdateTarget(gen, ident, path, probe)))
         return rec
+
+    async def _check_probe(self, path: Path, req: UpdateRequest) -> None:
+        vocab = await asyncio.to_thread(vocab_size, path)
+        if vocab is None:
+            return
+        ids = req.probe.prompt_token_ids + req.probe.expected_token_ids
+        bad = sorted({t for t in ids if not 0 <= t < vocab})
+        if bad:
+            raise PreflightFailed(
+                f"probe token ids {bad[:5]} are outside the model's vocabulary (0..{vocab - 1})",
+                path=str(path),
+            )
+
+    async def _free_label(self, label: str | None, number: int) -> str:
+        """``label`` if no declared or queued generation has it (else StoreConflict); without
+        one, ``g<number>`` (with a suffix in the rare case a user already took that name)."""
+        queued = self.pending.labels()
+        if label is not None:
+            owner = await self.store.label_owner(label)
+            if owner is not None or label in queued:
+                raise StoreConflict(
+                    f"label {label!r} already names generation "
+                    f"{owner if owner is not None else queued[label]}: labels must be unique",
+                    label=label,
+                )
+            return label
+        candidate, n = f"g{number}", 1
+        while candidate in queued or await self.store.label_owner(candidate) is not None:
+            candidate, n = f"g{number}.{n}", n + 1
+        return candidate
 
     async def _next_number(self) -> int:
         numbers = [r.generation.number for r in await self.store.generation_records()]

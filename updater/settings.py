@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pool.launcher import ReplicaSpec
+from pool.settings import refuse_placeholder
 from updater.cycle import Deadlines, DrainPolicy
 from updater.transports import registry as transports
 from updater.transports.nccl import NcclConfig
@@ -57,6 +58,11 @@ class UpdaterSettings(BaseSettings):
     #: weight-transfer engine (service mode; see ``nccl``).
     transport: str = "reload"
     nccl: NcclConfig = Field(default_factory=NcclConfig)
+
+    @field_validator("admin_token")
+    @classmethod
+    def _real_token(cls, v: SecretStr | None) -> SecretStr | None:
+        return refuse_placeholder(v, "the updater admin token")
 
     @field_validator("transport")
     @classmethod

@@ -18,6 +18,7 @@ Keys (``{ns}`` = ``{rp}`` by default)::
     {ns}:leases                zset rollout id -> lease expiry (ms, Redis clock)
     {ns}:latest                hash: number label identity (the published generation)
     {ns}:generations           hash: number -> GenerationRecord JSON (declared generations)
+    {ns}:labels                hash: label -> number (a label names one generation only)
     {ns}:journal               stream: every admission, release, transition and publish
     {ns}:gen_admissions        hash: generation number -> rollouts admitted on it
     {ns}:updates               hash: update id -> pool.records.UpdateRecord JSON

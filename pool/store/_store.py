@@ -386,14 +386,21 @@ class RedisStore:
 
     async def declare_generation(self, record: GenerationRecord, token: int) -> bool:
         """Record a generation before rolling it out. Returns False if already declared
-        identically; raises :class:`StoreConflict` for a different record or a number that is
-        not newer than the published generation."""
+        identically; raises :class:`StoreConflict` for a different record, a number that is not
+        newer than the published generation, or a label another generation already has."""
+        gen = record.generation
         out = await self._script(
             self._declare,
-            [self.k.generations, self.k.lease, self.k.latest, self.k.journal],
-            [record.generation.number, record.model_dump_json(), token, self._maxlen],
+            [self.k.generations, self.k.lease, self.k.latest, self.k.journal, self.k.labels],
+            [gen.number, record.model_dump_json(), token, self._maxlen, gen.label],
         )
         self._check_token(out, token)
+        if out[0] == "label_taken":
+            raise StoreConflict(
+                f"label {gen.label!r} already names generation {out[1]}",
+                label=gen.label,
+                generation=int(out[1]),
+            )
         if out[0] == "conflict":
             raise StoreConflict(
                 f"generation {record.generation.number} already declared differently",
@@ -405,6 +412,11 @@ class RedisStore:
                 latest=int(out[1]),
             )
         return out[0] == "ok"
+
+    async def label_owner(self, label: str) -> int | None:
+        """The declared generation named ``label``, if any."""
+        raw = await self._call(lambda: self.r.hget(self.k.labels, label))
+        return None if raw is None else int(raw)
 
     async def generation_record(self, number: int) -> GenerationRecord:
         raw = await self._call(lambda: self.r.hget(self.k.generations, str(number)))

@@ -13,6 +13,7 @@ class Keys:
     leases = property(lambda self: f"{self.p}:leases")
     latest = property(lambda self: f"{self.p}:latest")
     generations = property(lambda self: f"{self.p}:generations")
+    labels = property(lambda self: f"{self.p}:labels")
     journal = property(lambda self: f"{self.p}:journal")
     gen_admissions = property(lambda self: f"{self.p}:gen_admissions")
     updates = property(lambda self: f"{self.p}:updates")

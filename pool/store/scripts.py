@@ -166,11 +166,13 @@ return {'ok', s}
 """
 )
 
-# DECLARE — record a generation the updater is about to roll out (write-once per number).
-# KEYS[1] generations  KEYS[2] updater lease  KEYS[3] latest  KEYS[4] journal
+# DECLARE — record a generation the updater is about to roll out (write-once per number; its
+# label is unique among declared generations: the span check and cache_salt rely on it).
+# KEYS[1] generations  KEYS[2] updater lease  KEYS[3] latest  KEYS[4] journal  KEYS[5] labels
 # ARGV[1] number  ARGV[2] record JSON  ARGV[3] fencing token  ARGV[4] journal maxlen
+# ARGV[5] label
 # Returns {'ok'} | {'exists'} (same record) | {'conflict', json} | {'stale_token', holder}
-#         | {'not_newer', latest}
+#         | {'not_newer', latest} | {'label_taken', number}
 DECLARE = (
     PRELUDE
     + """
@@ -183,6 +185,9 @@ if old then
 end
 local cur = tonumber(redis.call('HGET', KEYS[3], 'number'))
 if cur and cur >= tonumber(ARGV[1]) then return {'not_newer', tostring(cur)} end
+local owner = redis.call('HGET', KEYS[5], ARGV[5])
+if owner and owner ~= ARGV[1] then return {'label_taken', owner} end
+redis.call('HSET', KEYS[5], ARGV[5], ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 journal(KEYS[4], ARGV[4], 'type', 'declare', 'generation', ARGV[1], 'fence', ARGV[3])
 return {'ok'}

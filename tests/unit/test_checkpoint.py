@@ -162,3 +162,51 @@ def test_content_hash_streams_and_tracks_bytes(tmp_path: Path) -> None:
     assert h1 == content_hash(tmp_path) and h1.startswith("sha256:")
     save_file({"w": np.arange(1000, dtype=np.float32) + 1}, str(tmp_path / "model.safetensors"))
     assert content_hash(tmp_path) != h1
+
+
+@pytest.mark.parametrize(
+    "shard",
+    ["../outside.safetensors", "/tmp/outside.safetensors", "sub/inner.safetensors", ".."],
+    ids=["parent", "absolute", "subdir", "dotdot"],
+)
+def test_index_may_name_only_plain_files_inside_the_directory(tmp_path: Path, shard: str) -> None:
+    """Audit finding (issue 11): preflight followed ``../`` and absolute shard names out of the
+    checkpoint directory. The index may only name plain files in it."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    save_file({"w": np.zeros((1,), np.float32)}, str(tmp_path / "outside.safetensors"))
+    save_file({"w": np.zeros((1,), np.float32)}, str(ckpt / "sub" / "inner.safetensors"))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    with pytest.raises(CheckpointError, match="not plain file names"):
+        read_manifest(ckpt)
+
+
+def test_symlinks_out_of_the_directory_and_non_files_are_refused(tmp_path: Path) -> None:
+    """Audit finding (issue 11): a symlinked shard pointing outside the checkpoint was read, and
+    the 422 echoed 8 bytes of its target (as the "header length"). Now it is refused unopened."""
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"TOPSECRET-password-1234")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="not a regular file inside") as e:
+        read_manifest(ckpt)
+    assert "TOPSECRET" not in str(e.value) and str(
+        int.from_bytes(b"TOPSECRE", "little")
+    ) not in str(e.value)
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").mkdir()  # a directory named like a shard
+    with pytest.raises(CheckpointError, match="not a regular file inside"):
+        read_manifest(ckpt)
+    (ckpt / "model.safetensors").rmdir()
+    save_file({"w": np.zeros((1,), np.float32)}, str(ckpt / "real.safetensors"))
+    (ckpt / "model.safetensors").symlink_to(ckpt / "real.safetensors")  # inside: allowed
+    with pytest.raises(CheckpointError, match="more than one shard"):  # read, then a duplicate
+        read_manifest(ckpt)
+
+
+def test_a_non_safetensors_file_is_refused_without_quoting_its_bytes(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"SECRETS!" + b"x" * 100)
+    with pytest.raises(CheckpointError) as e:
+        read_manifest(tmp_path)
+    assert str(int.from_bytes(b"SECRETS!", "little")) not in str(e.value)

@@ -1,0 +1,94 @@
+"""What the updater refuses at submit (nothing queued), with a real Redis store; no vLLM is
+contacted by a submit. Pins audit findings of issue 11 (labels, probe ids, placeholders)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pool.checkpoint import read_manifest
+from pool.errors import PreflightFailed, StoreConflict
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from pool.types import Generation, GenerationRecord, WeightIdentity
+from router.settings import RouterSettings
+from testkit.models import VOCAB_SIZE, ensure_model
+from updater.api import ProbeSpec, UpdateRequest
+from updater.service import Updater
+from updater.settings import ReplicaConfig, UpdaterSettings
+
+
+def updater(store: RedisStore) -> Updater:
+    model = ensure_model("random", seed=1)
+    settings = UpdaterSettings(replicas=[ReplicaConfig(id="r0", url="http://r0.test", model=model)])
+    return Updater(settings, store)
+
+
+def request(label: str | None = None, probe: tuple[int, ...] = (5, 6)) -> UpdateRequest:
+    model = ensure_model("random", seed=2)
+    return UpdateRequest(
+        checkpoint=str(model),
+        label=label,
+        probe=ProbeSpec(prompt_token_ids=list(probe), expected_token_ids=[7]),
+    )
+
+
+async def declare(store: RedisStore, number: int, label: str) -> None:
+    model = ensure_model("random", seed=1)
+    lease = store.updater_lease("declare")
+    token = await lease.acquire()
+    ident = WeightIdentity(manifest_digest=read_manifest(model).digest, checkpoint_uri=str(model))
+    rec = GenerationRecord(generation=Generation(number=number, label=label), identity=ident)
+    try:
+        await store.declare_generation(rec, token)
+    finally:
+        await lease.release()
+
+
+async def test_a_label_names_one_generation_in_the_store(store: RedisStore) -> None:
+    """Audit finding: duplicate generation labels were accepted, which weakens the span check
+    and cache_salt (both key on the label). The DECLARE script refuses a taken label."""
+    await declare(store, 1, "step-100")
+    with pytest.raises(StoreConflict, match="already names generation 1"):
+        await declare(store, 2, "step-100")
+    assert await store.label_owner("step-100") == 1
+
+
+async def test_submit_refuses_a_taken_label_and_picks_a_free_default(store: RedisStore) -> None:
+    up = updater(store)
+    await declare(store, 1, "g3")  # a user named generation 1 "g3"
+    with pytest.raises(StoreConflict, match="labels must be unique"):
+        await up.submit(request(label="g3"))
+    first = await up.submit(request(label="mine"))
+    with pytest.raises(StoreConflict, match="already names generation"):
+        await up.submit(request(label="mine"))  # queued, not declared yet
+    assert first.generation == 2
+    second = await up.submit(request())
+    assert (second.generation, second.label) == (3, "g3.1")
+
+
+async def test_submit_refuses_probe_ids_outside_the_vocabulary(store: RedisStore) -> None:
+    """Audit finding: probe token ids were not validated at submit (the update then failed on a
+    replica, or worse, a probe of garbage ids 'passed')."""
+    up = updater(store)
+    with pytest.raises(PreflightFailed, match="outside the model's vocabulary"):
+        await up.submit(request(probe=(5, VOCAB_SIZE)))
+    with pytest.raises(ValidationError):
+        request(probe=(-1, 5))
+    assert await store.updates() == []
+
+
+@pytest.mark.parametrize("secret", ["CHANGE-ME-updater-admin-token", "<your token>", "changeme"])
+def test_placeholder_secrets_are_refused(secret: str) -> None:
+    """Audit finding: the templates' CHANGE-ME tokens were accepted at runtime."""
+    model = ensure_model("random", seed=1)
+    replicas = [ReplicaConfig(id="r0", url="http://r0.test", model=model)]
+    with pytest.raises(ValidationError, match="placeholder"):
+        UpdaterSettings(replicas=replicas, admin_token=secret)
+    with pytest.raises(ValidationError, match="placeholder"):
+        RouterSettings(admin_token=secret)
+    with pytest.raises(ValidationError, match="placeholder"):
+        RouterSettings(api_keys=["a-real-key-123", secret])
+    with pytest.raises(ValidationError, match="placeholder"):
+        StoreSettings(password=secret)
+    assert RouterSettings(admin_token="9f2c1e7a-real").admin_token is not None
