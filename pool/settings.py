@@ -6,6 +6,7 @@ Built once in each ``__main__`` and passed down; nothing else reads the environm
 from __future__ import annotations
 
 import re
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,3 +47,25 @@ class StoreSettings(BaseSettings):
     @classmethod
     def _real_password(cls, v: SecretStr | None) -> SecretStr | None:
         return refuse_placeholder(v, "the Redis password")
+
+    @property
+    def safe_url(self) -> str:
+        """:attr:`url` without credentials (userinfo and ``password``/``username`` query
+        parameters are dropped): the only form that may appear in a log or an answer."""
+        return redact_url(self.url)
+
+
+_SECRET_PARAMS = frozenset({"password", "username", "user", "pass", "auth", "token"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any userinfo and credential query parameters removed."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k.lower() not in _SECRET_PARAMS]
+    return urlunsplit((parts.scheme, host, parts.path, urlencode(query), ""))

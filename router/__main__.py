@@ -28,7 +28,7 @@ def main() -> None:
         "router on %s:%d, redis %s namespace %s, model %r, max_staleness %d",
         settings.host,
         settings.port,
-        store_settings.url.split("@", 1)[-1],
+        store_settings.safe_url,
         store_settings.namespace,
         settings.served_model_name,
         settings.max_staleness,

@@ -109,13 +109,11 @@ class RedisStore:
         except LockError:
             raise  # the lease's own protocol errors; UpdaterLease translates them
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            raise StoreUnavailable(f"redis unreachable: {e}", url=self._safe_url()) from e
+            raise StoreUnavailable(
+                f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
+            ) from e
         except RedisError as e:
             raise StoreError(f"redis error: {e}") from e
-
-    def _safe_url(self) -> str:
-        url = self.settings.url
-        return url.split("@", 1)[-1] if "@" in url else url
 
     async def _script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
         out = await self._call(lambda: script(keys=keys, args=[str(a) for a in args]))
@@ -179,8 +177,11 @@ class RedisStore:
         reason: str = "",
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
+        only_if_expired: bool = False,
     ) -> bool:
-        """End an active binding. Returns False if it had already ended (idempotent).
+        """End an active binding. Returns False if it had already ended (idempotent), or, with
+        ``only_if_expired``, if its lease has not expired (checked in the same script, so a
+        renewal that lands just before cannot be overridden).
 
         Raises :class:`NotFound` for an unknown rollout and :class:`StoreConflict` if the
         binding belongs to another replica.
@@ -204,6 +205,7 @@ class RedisStore:
                 completion_tokens,
                 _ms(self.settings.binding_retention_s),
                 self._maxlen,
+                int(only_if_expired),
             ],
         )
         if out[0] == "unknown":
@@ -245,7 +247,9 @@ class RedisStore:
     async def reap_expired(self, limit: int = 100) -> list[str]:
         """Abort bindings whose lease expired (e.g. their router died). Returns their ids.
 
-        Safe to run from many processes at once: each binding is released exactly once.
+        Safe to run from many processes at once: each binding is released exactly once. The
+        expiry is checked again inside the release script, so a binding whose lease a heartbeat
+        renewed after the scan is left alone.
         """
         now_s, now_us = await self._call(self.r.time)
         now_ms = int(now_s) * 1000 + int(now_us) // 1000
@@ -259,7 +263,13 @@ class RedisStore:
             if replica is None:
                 await self._call(partial(self.r.zrem, self.k.leases, rid))
                 continue
-            if await self.release(rid, str(replica), BindingState.ABORTED, reason="lease expired"):
+            if await self.release(
+                rid,
+                str(replica),
+                BindingState.ABORTED,
+                reason="lease expired",
+                only_if_expired=True,
+            ):
                 reaped.append(rid)
         return reaped
 

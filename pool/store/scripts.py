@@ -54,8 +54,8 @@ return {'ok', r[2], r[3], r[4], tostring(now)}
 # KEYS[1] binding  KEYS[2] active set of the binding's replica  KEYS[3] leases  KEYS[4] journal
 # ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] final state  ARGV[4] reason
 # ARGV[5] prompt tokens (added)  ARGV[6] completion tokens (added)  ARGV[7] retention ms
-# ARGV[8] journal maxlen
-# Returns {'ok'} | {'already', state} | {'unknown'} | {'mismatch', replica}
+# ARGV[8] journal maxlen  ARGV[9] 1: only if the lease has expired (the reaper), else 0
+# Returns {'ok'} | {'already', state} | {'unknown'} | {'mismatch', replica} | {'alive', expiry}
 RELEASE = (
     PRELUDE
     + """
@@ -63,6 +63,10 @@ local b = redis.call('HMGET', KEYS[1], 'state', 'replica_id')
 if not b[1] then return {'unknown'} end
 if b[2] ~= ARGV[2] then return {'mismatch', b[2]} end
 if b[1] ~= 'active' then return {'already', b[1]} end
+if ARGV[9] == '1' then
+  local exp = redis.call('ZSCORE', KEYS[3], ARGV[1])
+  if exp and tonumber(exp) > now then return {'alive', exp} end
+end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'reason', ARGV[4], 'finished_ms', now)
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', tonumber(ARGV[5]))
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', tonumber(ARGV[6]))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
+from typing import Any
 
 import pytest
 from pydantic import SecretStr
@@ -298,3 +300,37 @@ async def test_acl_user_and_bindings_survive_a_restart(tmp_path) -> None:  # typ
     finally:
         await store.close()
         server.stop()
+
+
+async def test_reaper_leaves_a_binding_renewed_after_its_scan(store: RedisStore) -> None:
+    """Audit finding (issue 11): the reaper read expired ids, then released them; a heartbeat
+    that renewed the lease in between was overridden and a live rollout aborted. The expiry is
+    now re-checked inside the release script."""
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    await store.admit("beating", "r0", lease_s=0.05)
+    await asyncio.sleep(0.1)  # expired: the next scan lists it
+    real_release = store.release
+
+    async def renewed_meanwhile(*args: Any, **kw: Any) -> bool:
+        await store.touch("beating", lease_s=30)  # the heartbeat lands between scan and release
+        return await real_release(*args, **kw)
+
+    store.release = renewed_meanwhile  # type: ignore[method-assign]
+    assert await store.reap_expired() == []
+    assert (await store.binding("beating")).state is BindingState.ACTIVE
+
+
+async def test_unreachable_redis_errors_never_show_credentials() -> None:
+    """Audit finding (issue 11): the Redis URL with its ?password= was echoed in 503 bodies and
+    /healthz. Errors carry the URL without credentials."""
+    url = f"redis://svc:hunter2@127.0.0.1:{free_port()}/0?password=hunter3&socket_timeout=1"
+    store = RedisStore.connect(StoreSettings(url=url, socket_timeout_s=0.5))
+    try:
+        with pytest.raises(StoreUnavailable) as e:
+            await store.admit("x", "r0")
+        text = json.dumps(e.value.to_dict()) + e.value.message
+        assert "hunter" not in text and "svc" not in text
+        assert "127.0.0.1" in text
+    finally:
+        await store.close()
