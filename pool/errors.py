@@ -8,6 +8,7 @@
     │   └── PostconditionFailed         the evidence does not prove the step's postcondition
     ├── StoreError
     │   ├── StoreUnavailable            Redis unreachable: admissions fail closed
+    │   │   └── StoreBusy               Redis is up, but no pooled connection freed up in time
     │   ├── StoreConflict               a compare-and-set lost (state moved, stale fencing token)
     │   │   └── StaleFencingToken       the writer no longer holds the updater lease
     │   ├── AdmissionRefused            no admission on this replica (with a machine reason)
@@ -61,6 +62,13 @@ class StoreError(RolloutPoolError):
 
 class StoreUnavailable(StoreError):
     code = "store_unavailable"
+
+
+class StoreBusy(StoreUnavailable):
+    """This process's Redis connections were all in use for ``pool_timeout_s``: Redis itself is
+    fine (retry soon), but admissions still fail closed."""
+
+    code = "store_busy"
 
 
 class StoreConflict(StoreError):

@@ -38,6 +38,11 @@ class StoreSettings(BaseSettings):
     password: SecretStr | None = None
     namespace: str = Field(default="rp", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
     socket_timeout_s: float = Field(default=2.0, gt=0)
+    #: Connections this process may open to Redis; a call waits up to ``pool_timeout_s`` for a
+    #: free one (then StoreBusy, never "Redis down"). Every call is one short script or
+    #: pipeline, so a few dozen carry thousands of concurrent rollouts.
+    max_connections: int = Field(default=64, ge=1)
+    pool_timeout_s: float = Field(default=5.0, gt=0)
     binding_lease_s: float = Field(default=60.0, gt=0)
     binding_retention_s: float = Field(default=7 * 24 * 3600, gt=0)
     journal_maxlen: int = Field(default=1_000_000, ge=1000)

@@ -19,6 +19,7 @@ from pool.errors import (
     AdmissionRefused,
     NotFound,
     StaleFencingToken,
+    StoreBusy,
     StoreConflict,
     StoreError,
     StoreUnavailable,
@@ -60,6 +61,9 @@ class JournalEntry:
         return self.fields.get("type", "")
 
 
+_POOL_EXHAUSTED = "No connection available."
+
+
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
@@ -87,8 +91,12 @@ class RedisStore:
 
     @classmethod
     def connect(cls, settings: StoreSettings) -> RedisStore:
-        client = aioredis.Redis.from_url(
+        """A store on a bounded, blocking connection pool (see ``StoreSettings.max_connections``).
+        No I/O until the first call."""
+        pool = aioredis.BlockingConnectionPool.from_url(
             settings.url,
+            max_connections=settings.max_connections,
+            timeout=settings.pool_timeout_s,
             username=settings.username,
             password=settings.password.get_secret_value() if settings.password else None,
             decode_responses=True,
@@ -97,10 +105,10 @@ class RedisStore:
             retry_on_timeout=False,
             health_check_interval=10,
         )
-        return cls(client, settings)
+        return cls(aioredis.Redis(connection_pool=pool), settings)
 
     async def close(self) -> None:
-        await self.r.aclose()
+        await self.r.aclose(close_connection_pool=True)
 
     async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         """Run one redis-py call, translating its errors into the pool's (the seam)."""
@@ -109,6 +117,13 @@ class RedisStore:
         except LockError:
             raise  # the lease's own protocol errors; UpdaterLease translates them
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            # redis-py's blocking pool says so when no connection freed up in time: Redis is
+            # fine, this process is saturated (a unit test pins the message)
+            if isinstance(e, RedisConnectionError) and str(e) == _POOL_EXHAUSTED:
+                raise StoreBusy(
+                    f"all {self.settings.max_connections} Redis connections stayed busy for "
+                    f"{self.settings.pool_timeout_s:g} s"
+                ) from e
             raise StoreUnavailable(
                 f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
             ) from e
@@ -243,6 +258,31 @@ class RedisStore:
                 state=out[1] or None,
             )
         return int(out[1])
+
+    async def renew(self, leases: dict[str, float], *, chunk: int = 256) -> set[str]:
+        """Extend many bindings' leases (rollout id -> lease seconds) in pipelined chunks of
+        ``chunk`` TOUCH scripts: one round trip per chunk however many rollouts are in flight.
+        Returns the ids that are no longer active (nothing to renew). A StoreError leaves the
+        remaining chunks unrenewed; renewing is idempotent, so the caller retries next tick."""
+        gone: set[str] = set()
+        items = list(leases.items())
+        for start in range(0, len(items), chunk):
+            part = items[start : start + chunk]
+
+            async def run(part: list[tuple[str, float]] = part) -> list[Any]:
+                async with self.r.pipeline(transaction=False) as p:
+                    for rid, lease_s in part:
+                        await self._touch(
+                            keys=[self.k.binding(rid), self.k.leases],
+                            args=[rid, _ms(lease_s), 0, 0, 0],
+                            client=p,
+                        )
+                    return list(await p.execute())
+
+            for (rid, _), out in zip(part, await self._call(run), strict=True):
+                if str(out[0]) != "ok":
+                    gone.add(rid)
+        return gone
 
     async def reap_expired(self, limit: int = 100) -> list[str]:
         """Abort bindings whose lease expired (e.g. their router died). Returns their ids.

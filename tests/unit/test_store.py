@@ -14,6 +14,7 @@ from pool.errors import (
     AdmissionRefused,
     NotFound,
     StaleFencingToken,
+    StoreBusy,
     StoreConflict,
     StoreUnavailable,
 )
@@ -332,5 +333,45 @@ async def test_unreachable_redis_errors_never_show_credentials() -> None:
         text = json.dumps(e.value.to_dict()) + e.value.message
         assert "hunter" not in text and "svc" not in text
         assert "127.0.0.1" in text
+    finally:
+        await store.close()
+
+
+async def test_a_burst_of_concurrent_calls_is_served_not_refused(
+    store_settings: StoreSettings,
+) -> None:
+    """Audit finding (issue 11): >100 concurrent store calls got 503 store_unavailable while
+    Redis was healthy (redis-py's default non-blocking pool). Calls now wait for a pooled
+    connection."""
+    store = RedisStore.connect(store_settings.model_copy(update={"max_connections": 8}))
+    try:
+        token = await store.updater_lease().acquire()
+        await store.register_replica("r0", "http://r0", token, capacity=1000)
+        await store.transition(
+            "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="i", publish=True
+        )
+        ids = [f"b{i}" for i in range(400)]
+        await asyncio.gather(*(store.admit(i, "r0") for i in ids))
+        gone = await store.renew({i: 30.0 for i in ids})
+        assert gone == set()
+        await asyncio.gather(*(store.release(i, "r0") for i in ids[:10]))
+        assert await store.renew({i: 30.0 for i in ids}, chunk=64) == set(ids[:10])
+    finally:
+        await store.close()
+
+
+async def test_an_exhausted_pool_is_busy_not_down(store_settings: StoreSettings) -> None:
+    """Pool exhaustion is reported as StoreBusy (Redis is fine), not as Redis being down; the
+    test also pins redis-py's message for it."""
+    settings = store_settings.model_copy(update={"max_connections": 1, "pool_timeout_s": 0.2})
+    store = RedisStore.connect(settings)
+    try:
+        hold = asyncio.create_task(store.r.blpop(["nothing-" + uuid.uuid4().hex], timeout=1))
+        await asyncio.sleep(0.05)
+        with pytest.raises(StoreBusy, match="stayed busy") as e:
+            await store.ping()
+        assert e.value.code == "store_busy" and "unreachable" not in e.value.message
+        await hold
+        assert await store.ping()
     finally:
         await store.close()
