@@ -44,8 +44,13 @@ class StoreSettings(BaseSettings):
     max_connections: int = Field(default=64, ge=1)
     pool_timeout_s: float = Field(default=5.0, gt=0)
     binding_lease_s: float = Field(default=60.0, gt=0)
-    binding_retention_s: float = Field(default=7 * 24 * 3600, gt=0)
-    journal_maxlen: int = Field(default=1_000_000, ge=1000)
+    #: Memory is bounded by design (README "Sizing Redis"): a finished rollout's full record is
+    #: kept ``binding_retention_s`` (about 0.5 KB each), the journal keeps its newest
+    #: ``journal_maxlen`` entries (two per rollout, about 0.13 KB each) and at most
+    #: ``update_records_max`` update records are kept; per-generation counts are kept for good.
+    binding_retention_s: float = Field(default=600.0, gt=0)
+    journal_maxlen: int = Field(default=100_000, ge=1000)
+    update_records_max: int = Field(default=1000, ge=10)
     updater_lease_s: float = Field(default=15.0, gt=0)
 
     @field_validator("password")

@@ -21,8 +21,10 @@ Keys (``{ns}`` = ``{rp}`` by default)::
     {ns}:labels                hash: label -> number (a label names one generation only)
     {ns}:journal               stream: every admission, release, transition and publish
     {ns}:gen_admissions        hash: generation number -> rollouts admitted on it
+    {ns}:gen_outcomes          hash: "<generation>:<finished|aborted|violated>" -> rollouts
     {ns}:updates               hash: update id -> pool.records.UpdateRecord JSON
-    {ns}:updates:order         zset: update id -> creation time (ms)
+    {ns}:updates:order         zset: update id -> creation time (ms); the newest
+                               ``update_records_max`` records are kept
     {ns}:updater:lease         the updater lease (value = fencing token)
     {ns}:updater:fence         counter the fencing tokens are drawn from
 

@@ -210,6 +210,7 @@ class RedisStore:
                 self.k.active(replica_id),
                 self.k.leases,
                 self.k.journal,
+                self.k.gen_outcomes,
             ],
             [
                 rollout_id,
@@ -563,6 +564,21 @@ class RedisStore:
         rows = await self._call(lambda: self.r.xrange(self.k.journal, start, end, count=count))
         return [JournalEntry(str(i), {str(k): str(v) for k, v in f.items()}) for i, f in rows]
 
+    async def memory(self) -> tuple[int, int]:
+        """Redis's ``used_memory`` and ``maxmemory`` in bytes (0: no limit), for the
+        ``rolloutpool_redis_*_bytes`` gauges and alerts."""
+        info = await self._call(lambda: self.r.info("memory"))
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+
+    async def generation_outcomes(self) -> dict[int, dict[str, int]]:
+        """Rollouts ended per generation number and final state (counted by RELEASE)."""
+        raw = await self._call(lambda: self.r.hgetall(self.k.gen_outcomes))
+        out: dict[int, dict[str, int]] = {}
+        for field, n in raw.items():
+            gen, _, state = str(field).partition(":")
+            out.setdefault(int(gen), {})[state] = int(n)
+        return out
+
     async def generation_admissions(self) -> dict[int, int]:
         """Rollouts admitted per generation number (counted by the ADMIT script)."""
         raw = await self._call(lambda: self.r.hgetall(self.k.gen_admissions))
@@ -575,13 +591,19 @@ class RedisStore:
     # ---------------------------------------------------------------- update records
 
     async def save_update(self, record: UpdateRecord) -> None:
-        """Write (or overwrite) an update record. Records are the updater's, not routers'."""
+        """Write (or overwrite) an update record and drop the oldest beyond
+        ``update_records_max``. Records are the updater's, not routers'."""
+        keep = self.settings.update_records_max
 
         async def run() -> None:
             async with self.r.pipeline(transaction=True) as p:
                 p.hset(self.k.updates, record.id, record.model_dump_json())
                 p.zadd(self.k.updates_order, {record.id: record.created_ms})
-                await p.execute()
+                p.zrange(self.k.updates_order, 0, -keep - 1)
+                p.zremrangebyrank(self.k.updates_order, 0, -keep - 1)
+                old = (await p.execute())[2]
+            if old:
+                await self.r.hdel(self.k.updates, *old)
 
         await self._call(run)
 

@@ -16,6 +16,7 @@ class Keys:
     labels = property(lambda self: f"{self.p}:labels")
     journal = property(lambda self: f"{self.p}:journal")
     gen_admissions = property(lambda self: f"{self.p}:gen_admissions")
+    gen_outcomes = property(lambda self: f"{self.p}:gen_outcomes")
     updates = property(lambda self: f"{self.p}:updates")
     updates_order = property(lambda self: f"{self.p}:updates:order")
     lease = property(lambda self: f"{self.p}:updater:lease")

@@ -50,8 +50,9 @@ return {'ok', r[2], r[3], r[4], tostring(now)}
 """
 )
 
-# RELEASE — end an active binding exactly once.
+# RELEASE — end an active binding exactly once; count its outcome per generation.
 # KEYS[1] binding  KEYS[2] active set of the binding's replica  KEYS[3] leases  KEYS[4] journal
+# KEYS[5] per-generation outcome counts
 # ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] final state  ARGV[4] reason
 # ARGV[5] prompt tokens (added)  ARGV[6] completion tokens (added)  ARGV[7] retention ms
 # ARGV[8] journal maxlen  ARGV[9] 1: only if the lease has expired (the reaper), else 0
@@ -68,6 +69,7 @@ if ARGV[9] == '1' then
   if exp and tonumber(exp) > now then return {'alive', exp} end
 end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'reason', ARGV[4], 'finished_ms', now)
+redis.call('HINCRBY', KEYS[5], redis.call('HGET', KEYS[1], 'generation') .. ':' .. ARGV[3], 1)
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', tonumber(ARGV[5]))
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', tonumber(ARGV[6]))
 redis.call('HDEL', KEYS[1], 'lease_expires_ms')

@@ -18,6 +18,7 @@ from pool.errors import (
     StoreConflict,
     StoreUnavailable,
 )
+from pool.records import UpdateRecord, UpdateState
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, GenerationRecord, ReplicaState, WeightIdentity
@@ -373,5 +374,46 @@ async def test_an_exhausted_pool_is_busy_not_down(store_settings: StoreSettings)
         assert e.value.code == "store_busy" and "unreachable" not in e.value.message
         await hold
         assert await store.ping()
+    finally:
+        await store.close()
+
+
+async def test_memory_is_bounded_by_design(store_settings: StoreSettings) -> None:
+    """Audit finding (issue 11): finished bindings were kept 7 days and update records forever,
+    so Redis filled up. Full records now expire after ``binding_retention_s`` (the per-generation
+    counts stay), the journal is capped and only the newest update records are kept."""
+    settings = store_settings.model_copy(
+        update={"binding_retention_s": 0.2, "journal_maxlen": 1000, "update_records_max": 10}
+    )
+    store = RedisStore.connect(settings)
+    try:
+        token = await store.updater_lease().acquire()
+        await ready_replica(store, token, capacity=500)
+        for i in range(300):
+            await store.admit(f"m{i}", "r0")
+            await store.release(
+                f"m{i}", "r0", BindingState.ABORTED if i % 3 == 0 else BindingState.FINISHED
+            )
+        assert await store.generation_outcomes() == {0: {"aborted": 100, "finished": 200}}
+        await asyncio.sleep(0.3)
+        with pytest.raises(NotFound):
+            await store.binding("m0")
+        assert await store.r.xlen(store.k.journal) <= 1100  # MAXLEN ~ trims in whole nodes
+        for i in range(25):
+            rec = UpdateRecord(
+                id=f"up-{i}",
+                state=UpdateState.SUCCEEDED,
+                generation=i,
+                label=f"g{i}",
+                checkpoint="/c",
+                identity_digest="w",
+                created_ms=i,
+            )
+            await store.save_update(rec)
+        kept = await store.updates(100)
+        assert [u.id for u in kept] == [f"up-{i}" for i in range(24, 14, -1)]
+        assert await store.r.hlen(store.k.updates) == 10
+        used, _ = await store.memory()
+        assert used > 0
     finally:
         await store.close()
