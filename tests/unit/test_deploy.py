@@ -545,21 +545,55 @@ def test_k8s_redis_uses_aof(k8s: list[dict[str, Any]]) -> None:
     k8s_obj(k8s, "Service", "redis")
 
 
+def _peers_and_ports(policy: dict[str, Any]) -> list[tuple[set[str], list[tuple[int, int]]]]:
+    """Per ingress rule: the components (or ``label=value`` for other pods) it admits, and its
+    port ranges. Every peer must be pinned to this namespace and every rule to ports."""
+    rules = []
+    for rule in policy["spec"]["ingress"]:
+        peers: set[str] = set()
+        for peer in rule["from"]:
+            if "namespaceSelector" in peer:  # audit finding (issue 11): never any namespace
+                assert peer["namespaceSelector"] == {
+                    "matchLabels": {"kubernetes.io/metadata.name": "rolloutpool"}
+                }, peer
+            sel = peer["podSelector"]
+            labels = sel.get("matchLabels", {})
+            comp = labels.get("app.kubernetes.io/component")
+            if comp:
+                peers.add(comp)
+            for expr in sel.get("matchExpressions", []):
+                assert expr["key"] == "app.kubernetes.io/component" and expr["operator"] == "In"
+                peers |= set(expr["values"])
+            peers |= {f"{k}={v}" for k, v in labels.items() if k.startswith("rolloutpool.io/")}
+        assert rule.get("ports"), f"a rule without ports admits every port: {rule}"
+        rules.append((peers, [(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]]))
+    return rules
+
+
 def test_k8s_vllm_network_policy(k8s: list[dict[str, Any]]) -> None:
+    """Only the pool's components reach the replicas' port 8000 (API + dev-mode control routes);
+    weight senders of this namespace reach NCCL's ephemeral ports only."""
     policy = k8s_obj(k8s, "NetworkPolicy", "vllm-ingress")
     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "vllm"
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    allowed: set[str] = set()
-    for rule in policy["spec"]["ingress"]:
-        for peer in rule["from"]:
-            sel = peer.get("podSelector", {})
-            if "namespaceSelector" in peer:
-                continue  # the trainer's weight-sender label
-            allowed.add(sel.get("matchLabels", {}).get("app.kubernetes.io/component", ""))
-            for expr in sel.get("matchExpressions", []):
-                assert expr["key"] == "app.kubernetes.io/component" and expr["operator"] == "In"
-                allowed |= set(expr["values"])
-    assert allowed - {""} == {"router", "updater", "prometheus"}
+    rules = _peers_and_ports(policy)
+    to_api = set().union(
+        *(peers for peers, ports in rules if any(a <= 8000 <= b for a, b in ports))
+    )
+    assert to_api == {"router", "updater", "prometheus"}
+    sender = [ports for peers, ports in rules if "rolloutpool.io/weight-sender=true" in peers]
+    assert sender == [[(32768, 60999)]]
+
+
+def test_k8s_updater_network_policy(k8s: list[dict[str, Any]]) -> None:
+    policy = k8s_obj(k8s, "NetworkPolicy", "updater-ingress")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "updater"
+    rules = _peers_and_ports(policy)
+    api = [peers for peers, ports in rules if (8300, 8300) in ports]
+    assert api == [{"prometheus", "rolloutpool.io/updater-client=true"}]
+    assert all(
+        8300 not in range(a, b + 1) for peers, ports in rules if "vllm" in peers for a, b in ports
+    )
 
 
 # ------------------------------------------------------------------------------------ prometheus
