@@ -142,6 +142,7 @@ class RouterMetrics:
 class UpdaterMetrics:
     updates: Counter
     phase_seconds: Histogram
+    staleness_window: Histogram
     taints: Counter
     recoveries: Counter
     pool: PoolGauges
@@ -159,6 +160,12 @@ class UpdaterMetrics:
                 "rolloutpool_update_phase_seconds",
                 "Duration of each per-replica update phase",
                 ["phase"],
+                buckets=PHASE_BUCKETS,
+                registry=registry,
+            ),
+            staleness_window=Histogram(
+                "rolloutpool_update_staleness_window_seconds",
+                "Push to every replica in service on the new generation (an update's roll)",
                 buckets=PHASE_BUCKETS,
                 registry=registry,
             ),

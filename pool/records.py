@@ -71,9 +71,14 @@ class UpdateRecord(BaseModel):
     label: str
     checkpoint: str
     identity_digest: str
-    created_ms: int
-    started_ms: int | None = None
+    created_ms: int  # pushed
+    started_ms: int | None = None  # the roll began (earlier updates had finished)
+    published_ms: int | None = None  # the first replica was READY on it: admissions began
+    rolled_ms: int | None = None  # every replica in service was READY on it
     finished_ms: int | None = None
+    #: push → every replica in service on this generation (rolled_ms - created_ms): how long
+    #: rollouts could still be served by an older generation; None until rolled
+    staleness_window_s: float | None = None
     replicas: dict[str, ReplicaReport] = Field(default_factory=dict)
     error: str = ""
 

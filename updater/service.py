@@ -368,7 +368,11 @@ class Updater:
             records = await self.store.replicas()
             latest = await self.store.latest()
             published = latest is not None and latest[0].number >= target.generation.number
+            if published and rec.published_ms is None:
+                rec.published_ms = _now_ms()
             if not running and plan.done(records, target.generation.number):
+                rec.rolled_ms = _now_ms()
+                rec.staleness_window_s = (rec.rolled_ms - rec.created_ms) / 1000
                 break
             # before the generation is published, one replica at a time: it must prove it first
             batch = (
@@ -414,6 +418,8 @@ class Updater:
         rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
         rec.finished_ms = _now_ms()
         self._count("succeeded" if ok else "failed")
+        if self.metrics is not None and rec.staleness_window_s is not None:
+            self.metrics.staleness_window.observe(rec.staleness_window_s)
         await self.store.save_update(rec)
 
     def _count(self, result: str) -> None:

@@ -111,6 +111,9 @@ async def test_rolling_update_keeps_one_replica_admitting(env: Env) -> None:
     assert set(rec["replicas"]) == {"r0", "r1"}
     for rep in rec["replicas"].values():
         assert rep["outcome"] == "ready" and rep["window_s"] < 5
+    # the staleness window: push -> published (first replica) -> rolled (every replica)
+    assert rec["created_ms"] <= rec["published_ms"] <= rec["rolled_ms"] <= rec["finished_ms"]
+    assert rec["staleness_window_s"] == (rec["rolled_ms"] - rec["created_ms"]) / 1000
     for rid in ("r0", "r1"):
         assert await output(env, rid) == (marker_token(1),) * 3
 
