@@ -35,7 +35,8 @@ class ReplicaReport(BaseModel):
     generation: int
     outcome: ReplicaOutcome = ReplicaOutcome.RUNNING
     reason: str = ""
-    phases: dict[str, float] = Field(default_factory=dict)
+    phase: str | None = None  # the phase running now (None: between phases, or ended)
+    phases: dict[str, float] = Field(default_factory=dict)  # seconds of each phase that ended
     window_s: float | None = None
     aborted_rollouts: list[str] = Field(default_factory=list)
 

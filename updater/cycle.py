@@ -131,23 +131,39 @@ class CycleError(RolloutPoolError):
         self.report = report
 
 
+#: Called with the report each time a phase begins (``report.phase`` names it) and once the
+#: cycle ends; the updater persists it so a trainer can follow the update live.
+Progress = Callable[[ReplicaReport], Awaitable[None]]
+
+
 class _Timer:
-    def __init__(self, report: ReplicaReport) -> None:
-        self.report = report
+    def __init__(self, report: ReplicaReport, progress: Progress | None) -> None:
+        self.report, self.progress = report, progress
 
     def __call__(self, phase: str) -> _Phase:
-        return _Phase(self.report, phase)
+        return _Phase(self, phase)
+
+    async def tell(self) -> None:
+        """Report progress; a failure to report (Redis away) never fails the cycle."""
+        if self.progress is not None:
+            try:
+                await self.progress(self.report)
+            except RolloutPoolError as e:
+                log.warning("progress of %s not recorded: %s", self.report.replica, e)
 
 
 class _Phase:
-    def __init__(self, report: ReplicaReport, name: str) -> None:
-        self.report, self.name = report, name
+    def __init__(self, timer: _Timer, name: str) -> None:
+        self.timer, self.name = timer, name
 
-    def __enter__(self) -> None:
+    async def __aenter__(self) -> None:
+        self.timer.report.phase = self.name
+        await self.timer.tell()
         self.t0 = time.monotonic()
 
-    def __exit__(self, *exc: object) -> None:
-        self.report.phases[self.name] = time.monotonic() - self.t0
+    async def __aexit__(self, *exc: object) -> None:
+        self.timer.report.phases[self.name] = time.monotonic() - self.t0
+        self.timer.report.phase = None
 
 
 class CycleRunner:
@@ -262,15 +278,18 @@ class CycleRunner:
 
     # ------------------------------------------------------------------ the update cycle
 
-    async def run(self, h: ReplicaHandle, t: UpdateTarget) -> ReplicaReport:
+    async def run(
+        self, h: ReplicaHandle, t: UpdateTarget, progress: Progress | None = None
+    ) -> ReplicaReport:
         """Update ``h`` to ``t``; returns the report on READY(t.generation), else raises
-        :class:`CycleError` whose report says refused / cancelled / tainted."""
+        :class:`CycleError` whose report says refused / cancelled / tainted. ``progress`` is
+        told each phase as it begins."""
         report = ReplicaReport(replica=h.replica_id, generation=t.generation.number)
-        timer = _Timer(report)
+        timer = _Timer(report, progress)
         target = WeightsTarget(identity=t.identity, path=t.path, expected_manifest=h.manifest)
         d = self.deadlines
 
-        with timer("preflight"):
+        async with timer("preflight"):
             try:
                 await self._engine(
                     "preflight",
@@ -283,7 +302,7 @@ class CycleRunner:
                 report.outcome, report.reason = ReplicaOutcome.REFUSED, f"preflight: {e}"
                 raise CycleError(report) from e
 
-        with timer("drain"):
+        async with timer("drain"):
             await self.commit(h, DrainRequested(t.generation, t.identity.digest))
             try:
                 aborted = await self._wait_drained(h, report)
@@ -293,7 +312,7 @@ class CycleRunner:
                 raise await self._cancel(h, report, "drain", e, paused=False) from e
             report.aborted_rollouts = aborted
 
-        with timer("pause"):
+        async with timer("pause"):
             try:
                 # clear_cache=False: the INVALIDATING step's checked reset is the one that
                 # counts (and the one the stale-cache proof exercises), not a side effect here.
@@ -321,7 +340,7 @@ class CycleRunner:
         step = "transfer"
         try:
             await self.commit(h, TransferStarted(t.identity.digest))
-            with timer("transfer"):
+            async with timer("transfer"):
                 ev = await self._engine(
                     "transfer",
                     lambda: self.transport.transfer(h.engine, target),
@@ -330,13 +349,13 @@ class CycleRunner:
                 )
                 await self.commit(h, ev)
             step = "invalidate"
-            with timer("invalidate"):
+            async with timer("invalidate"):
                 reset = await self._engine(
                     "invalidate", lambda: h.engine.reset_caches(), d.reset_s, mutating=True
                 )
                 await self.commit(h, reset)
             step = "validate"
-            with timer("validate"):
+            async with timer("validate"):
                 valid = await self._engine(
                     "validate",
                     lambda: self.validate(h, t.generation, t.probe),
@@ -345,7 +364,7 @@ class CycleRunner:
                 )
                 await self.commit(h, valid)
             step = "resume"
-            with timer("resume"):
+            async with timer("resume"):
                 paused = await self._engine(
                     "resume", lambda: h.engine.is_paused(), d.resume_s, mutating=True
                 )
@@ -422,11 +441,11 @@ class CycleRunner:
         in between (a restart mid-bootstrap) is a failure. Any failure: TAINTED.
         """
         report = ReplicaReport(replica=h.replica_id, generation=generation.number)
-        timer = _Timer(report)
+        timer = _Timer(report, None)
         d = self.deadlines
         step = "bootstrap"
         try:
-            with timer("bootstrap"):
+            async with timer("bootstrap"):
                 caps = await self._engine(
                     "bootstrap",
                     lambda: h.engine.bootstrap(),
@@ -440,7 +459,7 @@ class CycleRunner:
                     identity=identity, path=checkpoint, expected_manifest=h.manifest
                 )
                 step = "load"
-                with timer("load"):
+                async with timer("load"):
                     await self._engine(
                         "preflight",
                         lambda: self.transport.preflight(h.engine, target),
@@ -460,14 +479,14 @@ class CycleRunner:
                     if not ev.ok:
                         raise LifecycleError(f"transfer failed: {ev.detail}")
             step = "invalidate"
-            with timer("invalidate"):
+            async with timer("invalidate"):
                 reset = await self._engine(
                     "invalidate", lambda: h.engine.reset_caches(), d.reset_s, mutating=True
                 )
                 if not reset.proves_reset:
                     raise LifecycleError(f"cache reset not proven: {reset.detail}")
             step = "validate"
-            with timer("validate"):
+            async with timer("validate"):
                 valid = await self._engine(
                     "validate",
                     lambda: self.validate(h, generation, probe),

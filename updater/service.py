@@ -390,7 +390,7 @@ class Updater:
             )
             for rid in batch:
                 attempted.add(rid)
-                running[rid] = asyncio.create_task(self._cycle(self.replicas[rid], target))
+                running[rid] = asyncio.create_task(self._cycle(self.replicas[rid], target, rec))
             if not running:
                 if not batch:
                     rec.error = "no replica left to update (tainted or refused)"
@@ -426,10 +426,16 @@ class Updater:
         if self.metrics is not None:
             self.metrics.updates.labels(result).inc()
 
-    async def _cycle(self, m: ManagedReplica, target: UpdateTarget) -> ReplicaReport:
+    async def _cycle(
+        self, m: ManagedReplica, target: UpdateTarget, rec: UpdateRecord
+    ) -> ReplicaReport:
+        async def progress(report: ReplicaReport) -> None:
+            rec.replicas[m.id] = report
+            await self.store.save_update(rec)
+
         async with m.lock:
             try:
-                report = await self.runner.run(m.handle, target)
+                report = await self.runner.run(m.handle, target, progress)
             except CycleError as e:
                 report = e.report
             except RolloutPoolError as e:  # a lost CAS etc.: nothing more to do on it here

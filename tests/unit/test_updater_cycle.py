@@ -14,6 +14,7 @@ from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
 from pool.errors import StaleFencingToken
 from pool.lifecycle import Lifecycle
+from pool.records import ReplicaReport
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState, WeightIdentity
 from testkit.models import ensure_model
@@ -24,25 +25,74 @@ S = ReplicaState
 G0, G1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
 
 
-def recording_engine(calls: list[str]) -> VllmEngine:
+def recording_engine(calls: list[str], probe_output: list[int] | None = None) -> VllmEngine:
+    """A vLLM 0.32 control plane that answers every call of a successful cycle and records it."""
+    state = {"paused": False, "label": "g0"}
+
     def handle(request: httpx.Request) -> httpx.Response:
         calls.append(f"{request.method} {request.url.path}")
         path = request.url.path
-        if path == "/version":
-            return httpx.Response(200, json={"version": "0.32.0"})
-        if path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content) if request.content else {}
+        answers: dict[str, object] = {
+            "/version": {"version": "0.32.0"},
+            "/v1/models": {"data": [{"id": "m"}]},
+            "/is_paused": {"is_paused": state["paused"]},
+            "/collective_rpc": {"results": [None]},
+            "/reset_prefix_cache": {"success": True},
+            "/weight_info": {"weight_version": state["label"]},
+            "/v1/completions": {"choices": [{"token_ids": probe_output or []}]},
+        }
         if path == "/pause":
+            state["paused"] = True
             return httpx.Response(200, json={"status": "paused"})
         if path == "/resume":
+            state["paused"] = False
             return httpx.Response(200, json={"status": "resumed"})
-        if path == "/is_paused":
-            return httpx.Response(200, json={"is_paused": True})
+        if path == "/update_weight_version":
+            state["label"] = body["new_version"]
+            return httpx.Response(200, json={"success": True, "new_version": state["label"]})
+        if path in ("/reset_mm_cache", "/reset_encoder_cache"):
+            return httpx.Response(200)
         if path == "/metrics":
             return httpx.Response(200, text="vllm:num_requests_running 0\n")
+        if path in answers:
+            return httpx.Response(200, json=answers[path])
         return httpx.Response(404, text=json.dumps({"error": path}))
 
     return VllmEngine("http://vllm.test", timeout=2.0, transport=httpx.MockTransport(handle))
+
+
+async def test_progress_is_told_each_phase_as_it_begins(store: RedisStore) -> None:
+    """A trainer follows an update live (the CLI's push): the runner tells each phase as it
+    begins, in order, and the report ends with every phase timed and none running."""
+    model = ensure_model("random", seed=1)
+    manifest = read_manifest(model)
+    lease = store.updater_lease("test")
+    token = await lease.acquire()
+    await store.register_replica("r0", "http://vllm.test", token)
+    await store.transition(
+        "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="id0", publish=True
+    )
+    calls: list[str] = []
+    engine = recording_engine(calls, probe_output=[3, 4])
+    await engine.bootstrap()
+    handle = ReplicaHandle("r0", engine, manifest, Lifecycle(S.READY, G0, "id0", process="p"))
+    runner = CycleRunner(store, lease, ReloadTransport())
+    ident = WeightIdentity(manifest_digest=manifest.digest, checkpoint_uri=str(model))
+    seen: list[tuple[str | None, tuple[str, ...]]] = []
+
+    async def progress(report: ReplicaReport) -> None:
+        seen.append((report.phase, tuple(report.phases)))
+
+    report = await runner.run(
+        handle, UpdateTarget(G1, ident, model, Probe((1, 2), (3, 4))), progress
+    )
+    order = ["preflight", "drain", "pause", "transfer", "invalidate", "validate", "resume"]
+    assert [phase for phase, _ in seen] == order
+    assert [done for _, done in seen] == [tuple(order[:i]) for i in range(len(order))]
+    assert report.outcome == "ready" and report.phase is None and list(report.phases) == order
+    assert (await store.replica("r0")).generation == 1
+    await engine.aclose()
 
 
 async def test_no_engine_call_once_the_lease_may_have_lapsed(store: RedisStore) -> None:
