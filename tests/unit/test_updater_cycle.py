@@ -62,57 +62,52 @@ def recording_engine(calls: list[str], probe_output: list[int] | None = None) ->
     return VllmEngine("http://vllm.test", timeout=2.0, transport=httpx.MockTransport(handle))
 
 
-async def test_progress_is_told_each_phase_as_it_begins(store: RedisStore) -> None:
-    """A trainer follows an update live (the CLI's push): the runner tells each phase as it
-    begins, in order, and the report ends with every phase timed and none running."""
-    model = ensure_model("random", seed=1)
-    manifest = read_manifest(model)
+MODEL = ensure_model("random", seed=1)
+IDENT = WeightIdentity(manifest_digest=read_manifest(MODEL).digest, checkpoint_uri=str(MODEL))
+
+
+async def replica_r0(store: RedisStore, engine: VllmEngine) -> tuple[ReplicaHandle, CycleRunner]:
+    """r0 READY on g0 in the store (this test holds the lease), its engine the given fake."""
     lease = store.updater_lease("test")
     token = await lease.acquire()
     await store.register_replica("r0", "http://vllm.test", token)
     await store.transition(
         "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="id0", publish=True
     )
-    calls: list[str] = []
-    engine = recording_engine(calls, probe_output=[3, 4])
     await engine.bootstrap()
+    manifest = read_manifest(MODEL)
     handle = ReplicaHandle("r0", engine, manifest, Lifecycle(S.READY, G0, "id0", process="p"))
-    runner = CycleRunner(store, lease, ReloadTransport())
-    ident = WeightIdentity(manifest_digest=manifest.digest, checkpoint_uri=str(model))
+    return handle, CycleRunner(store, lease, ReloadTransport(), drain_timeout_s=30)
+
+
+async def test_progress_is_told_each_phase_as_it_begins(store: RedisStore) -> None:
+    """A trainer follows an update live (the CLI's push): the runner tells each phase as it
+    begins, in order, and the report ends with every phase timed and none running."""
+    calls: list[str] = []
+    handle, runner = await replica_r0(store, recording_engine(calls, [3, 4]))
     seen: list[tuple[str | None, tuple[str, ...]]] = []
 
     async def progress(report: ReplicaReport) -> None:
         seen.append((report.phase, tuple(report.phases)))
 
     report = await runner.run(
-        handle, UpdateTarget(G1, ident, model, Probe((1, 2), (3, 4))), progress
+        handle, UpdateTarget(G1, IDENT, MODEL, Probe((1, 2), (3, 4))), progress
     )
     order = ["preflight", "drain", "pause", "transfer", "invalidate", "validate", "resume"]
     assert [phase for phase, _ in seen] == order
     assert [done for _, done in seen] == [tuple(order[:i]) for i in range(len(order))]
     assert report.outcome == "ready" and report.phase is None and list(report.phases) == order
     assert (await store.replica("r0")).generation == 1
-    await engine.aclose()
+    await handle.engine.aclose()
 
 
 async def test_no_engine_call_once_the_lease_may_have_lapsed(store: RedisStore) -> None:
     """Audit finding (issue 11): fencing covered Redis writes but not engine calls. A lease that
     may have lapsed while the drain waited (renewals stopped) must stop the runner before it
     pauses the engine: nothing that changes the engine is sent."""
-    model = ensure_model("random", seed=1)
-    manifest = read_manifest(model)
-    lease = store.updater_lease("test")
-    token = await lease.acquire()
-    await store.register_replica("r0", "http://vllm.test", token)
-    await store.transition(
-        "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="id0", publish=True
-    )
     calls: list[str] = []
-    engine = recording_engine(calls)
-    await engine.bootstrap()
-    handle = ReplicaHandle("r0", engine, manifest, Lifecycle(S.READY, G0, "id0", process="p"))
-    runner = CycleRunner(store, lease, ReloadTransport(), drain_timeout_s=30.0)
-    ident = WeightIdentity(manifest_digest=manifest.digest, checkpoint_uri=str(model))
+    handle, runner = await replica_r0(store, recording_engine(calls))
+    lease = runner.lease
     await store.admit("ro-held", "r0")
 
     async def lapse_then_release() -> None:
@@ -124,9 +119,9 @@ async def test_no_engine_call_once_the_lease_may_have_lapsed(store: RedisStore) 
     helper = asyncio.create_task(lapse_then_release())
     calls.clear()
     with pytest.raises(StaleFencingToken):
-        await runner.run(handle, UpdateTarget(G1, ident, model, Probe((1, 2), (3, 4))))
+        await runner.run(handle, UpdateTarget(G1, IDENT, MODEL, Probe((1, 2), (3, 4))))
     await helper
     assert [c for c in calls if c.startswith("POST")] == [], calls
     # left DRAINING (weights untouched) for whoever holds the lease next to adopt or recover
     assert (await store.replica("r0")).state is S.DRAINING
-    await engine.aclose()
+    await handle.engine.aclose()
