@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ import yaml
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from testkit.models import marker_token
+from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import (
     PROBE_PROMPT,
@@ -215,12 +214,7 @@ async def soak(minutes: float, update_every: float, workdir: Path) -> dict[str, 
     finally:
         stop.set()
         for proc in (router, up_proc):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            terminate(proc, grace_s=60)
         await store.close()
         redis.stop()
 

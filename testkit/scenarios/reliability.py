@@ -44,6 +44,7 @@ from pool.store import RedisStore
 from pool.types import ReplicaState
 from router.app import start_server
 from testkit.models import marker_token
+from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import NAMESPACE, PROBE_PROMPT, marker, push, start_router, wait_http
 from updater.api import ProbeSpec, UpdateRequest
@@ -119,9 +120,7 @@ async def start_env(workdir: Path) -> Env:
 
 
 async def stop_env(env: Env) -> None:
-    if env.router.poll() is None:
-        os.killpg(env.router.pid, signal.SIGTERM)
-        env.router.wait(20)
+    terminate(env.router, grace_s=20)
     await env.updater_runner.cleanup()
     await env.updater.stop()
     await env.store.close()

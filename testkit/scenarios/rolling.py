@@ -48,6 +48,7 @@ from pool.store import RedisStore
 from pool.types import ReplicaState
 from testkit.fault_proxy import FaultProxy
 from testkit.models import ensure_model, marker_token
+from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from updater.api import ProbeSpec, UpdateRequest
 from updater.cycle import Deadlines
@@ -516,9 +517,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     finally:
         stop.set()
         for proc in routers:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(10)
+            terminate(proc)
         await up.stop()
         await store.close()
         await proxy.stop()
