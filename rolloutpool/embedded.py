@@ -25,8 +25,8 @@ from pool.launcher import ReplicaSpec, default_cache_root
 from pool.metrics import UpdaterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore
+from pool.web import start_server
 from router.app import create_app as create_router
-from router.app import start_server
 from router.settings import RouterSettings
 from testkit.models import ensure_model
 from testkit.redis_server import RedisServer

@@ -43,8 +43,9 @@ from pool.errors import AdmissionRefused, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Admission, RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
+from pool.web import BadRequest, Conflict
 from router.bindings import Bindings
-from router.errors import BadRequest, Conflict, NoReplicaAvailable
+from router.errors import NoReplicaAvailable
 
 HEADER_MIN_GENERATION = "X-Rollout-Min-Generation"
 HEADER_GENERATION = "X-Rollout-Generation"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pool.web import openapi as kit
+from pool.web.openapi import ADMIN, CLIENT, error_responses, json_content, model_schemas, ref
 from router.admission import Constraints
 from router.status import TaintRequest
 
@@ -18,26 +20,15 @@ _TEXT = {
     400: "bad JSON or body",
     401: "missing or wrong client key",
     403: "admin only",
-    422: "rejected by the replica (its 4xx is passed through)",
     404: "unknown route, model or rollout",
     405: "method not allowed",
     409: "generation unsatisfiable or rollout not active",
     413: "body too large",
+    422: "rejected by the replica (its 4xx is passed through)",
     429: "rate limited",
     502: "upstream error or provenance violation",
     503: "no admissible replica or store unavailable",
     504: "upstream timeout",
-}
-ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["code", "message"],
-            "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
-        }
-    },
 }
 ROLLOUT = {
     "type": "object",
@@ -52,16 +43,8 @@ ROLLOUT = {
 ID = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
 def _errors(*codes: int) -> dict[str, Any]:
-    return {str(c): _json(_ref("Error"), _TEXT[c]) for c in codes}
+    return error_responses(_TEXT, *codes)
 
 
 def _inference(op: str, required: list[str]) -> dict[str, Any]:
@@ -72,13 +55,13 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
         "properties": {
             "model": {"type": "string"},
             "stream": {"type": "boolean"},
-            "rollout": _ref("Constraints"),
+            "rollout": ref("Constraints"),
         },
     }
     return {
         "post": {
             "operationId": op,
-            "security": [{}, {"bearer": []}],
+            "security": CLIENT,
             "parameters": [
                 {
                     "name": "X-Rollout-Id",
@@ -105,14 +88,14 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
                     "description": "vLLM's response plus a `rollout` object (JSON) or SSE",
                     "content": {
                         "application/json": {
-                            "schema": {"type": "object", "properties": {"rollout": _ref("Rollout")}}
+                            "schema": {"type": "object", "properties": {"rollout": ref("Rollout")}}
                         },
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
                 # the replica's own 4xx answers (e.g. 403, 422) are passed through unchanged
-                "4XX": _json(
-                    _ref("Error"), "client error (the router's, or the replica's passed through)"
+                "4XX": json_content(
+                    ref("Error"), "client error (the router's, or the replica's passed through)"
                 ),
                 **_errors(400, 401, 404, 409, 413, 429, 502, 503, 504),
             },
@@ -121,143 +104,99 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
 
 
 def document() -> dict[str, Any]:
-    schemas: dict[str, Any] = {"Error": ERROR, "Rollout": ROLLOUT}
-    for model in (Constraints, TaintRequest):
-        schemas[model.__name__] = model.model_json_schema(
-            ref_template="#/components/schemas/{model}"
-        )
     obj = {"type": "object"}
-    client: list[dict[str, list[str]]] = [{}, {"bearer": []}]
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "RolloutPool router",
-            "version": "1",
-            "description": "OpenAI-compatible rollouts bound to one policy generation.",
+    html = {"content": {"text/html": {"schema": {"type": "string"}}}}
+    paths: dict[str, Any] = {
+        "/v1/completions": _inference("completions", ["model", "prompt"]),
+        "/v1/chat/completions": _inference("chat_completions", ["model", "messages"]),
+        "/inference/v1/generate": _inference("generate", ["token_ids"]),
+        "/v1/models": {
+            "get": {
+                "operationId": "models",
+                "security": CLIENT,
+                "responses": {"200": json_content(obj, "the served model"), **_errors(401)},
+            }
         },
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "/v1/rollouts": {
+            "post": {
+                "operationId": "open_session",
+                "security": CLIENT,
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": ref("Constraints")}},
+                },
+                "responses": {
+                    "201": json_content(obj, "the session binding"),
+                    **_errors(400, 401, 409, 413, 503),
+                },
+            }
         },
-        "paths": {
-            "/v1/completions": _inference("completions", ["model", "prompt"]),
-            "/v1/chat/completions": _inference("chat_completions", ["model", "messages"]),
-            "/inference/v1/generate": _inference("generate", ["token_ids"]),
-            "/v1/models": {
-                "get": {
-                    "operationId": "models",
-                    "security": client,
-                    "responses": {"200": _json(obj, "the served model"), **_errors(401)},
-                }
-            },
-            "/v1/rollouts": {
-                "post": {
-                    "operationId": "open_session",
-                    "security": client,
-                    "requestBody": {
-                        "required": False,
-                        "content": {"application/json": {"schema": _ref("Constraints")}},
-                    },
-                    "responses": {
-                        "201": _json(obj, "the session binding"),
-                        **_errors(400, 401, 409, 413, 503),
-                    },
-                }
-            },
-            "/v1/rollouts/{rollout_id}": {
-                "get": {
-                    "operationId": "get_rollout",
-                    "security": client,
-                    "parameters": [ID],
-                    "responses": {
-                        "200": _json(obj, "the provenance record"),
-                        **_errors(401, 404, 503),
-                    },
-                }
-            },
-            "/v1/rollouts/{rollout_id}/heartbeat": {
-                "post": {
-                    "operationId": "heartbeat",
-                    "security": client,
-                    "parameters": [ID],
-                    "responses": {
-                        "200": _json(obj, "lease extended"),
-                        **_errors(401, 404, 409, 503),
-                    },
-                }
-            },
-            "/v1/rollouts/{rollout_id}/close": {
-                "post": {
-                    "operationId": "close_session",
-                    "security": client,
-                    "parameters": [ID],
-                    "responses": {"200": _json(obj, "closed"), **_errors(401, 404, 409, 503)},
-                }
-            },
-            "/v1/pool": {
-                "get": {
-                    "operationId": "pool",
-                    "security": client,
-                    "responses": {
-                        "200": _json(obj, "replicas and the published generation"),
-                        **_errors(401, 503),
-                    },
-                }
-            },
-            "/healthz": {
-                "get": {
-                    "operationId": "healthz",
-                    "responses": {"200": _json(obj, "Redis reachable"), **_errors(503)},
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "operationId": "metrics",
-                    "responses": {
-                        "200": {
-                            "description": "Prometheus text",
-                            "content": {"text/plain": {"schema": {"type": "string"}}},
-                        }
-                    },
-                }
-            },
-            "/dashboard": {
-                "get": {
-                    "operationId": "dashboard",
-                    "security": client,
-                    "responses": {
-                        "200": {
-                            "description": "live HTML page",
-                            "content": {"text/html": {"schema": {"type": "string"}}},
-                        },
-                        **_errors(401),
-                    },
-                }
-            },
-            "/v1/admin/replicas/{replica_id}/taint": {
-                "post": {
-                    "operationId": "taint",
-                    "security": [{"bearer": []}],
-                    "parameters": [
-                        {
-                            "name": "replica_id",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "requestBody": {
+        "/v1/rollouts/{rollout_id}": {
+            "get": {
+                "operationId": "get_rollout",
+                "security": CLIENT,
+                "parameters": [ID],
+                "responses": {
+                    "200": json_content(obj, "the provenance record"),
+                    **_errors(401, 404, 503),
+                },
+            }
+        },
+        "/v1/rollouts/{rollout_id}/heartbeat": {
+            "post": {
+                "operationId": "heartbeat",
+                "security": CLIENT,
+                "parameters": [ID],
+                "responses": {
+                    "200": json_content(obj, "lease extended"),
+                    **_errors(401, 404, 409, 503),
+                },
+            }
+        },
+        "/v1/rollouts/{rollout_id}/close": {
+            "post": {
+                "operationId": "close_session",
+                "security": CLIENT,
+                "parameters": [ID],
+                "responses": {"200": json_content(obj, "closed"), **_errors(401, 404, 409, 503)},
+            }
+        },
+        "/dashboard": {
+            "get": {
+                "operationId": "dashboard",
+                "responses": {
+                    "200": {"description": "live HTML page", **html},
+                    "503": {"description": "store unavailable", **html},
+                },
+            }
+        },
+        "/v1/admin/replicas/{replica_id}/taint": {
+            "post": {
+                "operationId": "taint",
+                "security": ADMIN,
+                "parameters": [
+                    {
+                        "name": "replica_id",
+                        "in": "path",
                         "required": True,
-                        "content": {"application/json": {"schema": _ref("TaintRequest")}},
-                    },
-                    "responses": {
-                        "200": _json(obj, "tainted"),
-                        **_errors(400, 401, 403, 404, 413, 503),
-                    },
-                }
-            },
-            "/openapi.json": {
-                "get": {"operationId": "openapi", "responses": {"200": _json(obj, "this document")}}
-            },
+                        "schema": {"type": "string"},
+                    }
+                ],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": ref("TaintRequest")}},
+                },
+                "responses": {
+                    "200": json_content(obj, "tainted"),
+                    **_errors(400, 401, 403, 404, 413, 503),
+                },
+            }
         },
+        **kit.common_paths(pool_security=CLIENT, pool_errors=_errors(401, 503)),
     }
+    return kit.document(
+        title="RolloutPool router",
+        description="OpenAI-compatible rollouts bound to one policy generation.",
+        paths=paths,
+        schemas={"Rollout": ROLLOUT, **model_schemas(Constraints, TaintRequest)},
+    )

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from pydantic import SecretStr
 
-from pool.web.errors import Forbidden, Handler, Middleware, Unauthorized
+from pool.web.errors import Forbidden, Unauthorized
 
 CLIENT = web.RequestKey("client", str)
 

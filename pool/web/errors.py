@@ -38,10 +38,11 @@ streaming handler must handle its own errors once it has called ``prepare``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from pool.errors import (
     AdmissionRefused,
@@ -54,9 +55,6 @@ from pool.errors import (
     StoreUnavailable,
 )
 from pool.web.responses import json_response
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 class HttpError(RolloutPoolError):

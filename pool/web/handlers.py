@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
@@ -27,7 +28,6 @@ from pool.errors import StoreError
 from pool.metrics import PoolGauges
 from pool.store import RedisStore
 from pool.types import ReplicaState
-from pool.web.errors import Handler
 from pool.web.responses import json_response
 
 log = logging.getLogger("pool.web")
@@ -107,17 +107,20 @@ def healthz_handler(readiness: Readiness | None = None) -> Handler:
     return healthz
 
 
-async def metrics(request: web.Request) -> web.Response:
-    app = request.app
-    try:
-        replicas = await app[STORE].replicas()
-        latest = await app[STORE].latest()
-        app[POOL_GAUGES].observe(replicas, latest[0].number if latest else None)
-    except StoreError as e:
-        log.warning("metrics: pool gauges not refreshed: %s", e.message)
-    return web.Response(
-        body=generate_latest(app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
+def metrics_handler() -> Handler:
+    async def metrics(request: web.Request) -> web.Response:
+        app = request.app
+        try:
+            replicas = await app[STORE].replicas()
+            latest = await app[STORE].latest()
+            app[POOL_GAUGES].observe(replicas, latest[0].number if latest else None)
+        except StoreError as e:
+            log.warning("metrics: pool gauges not refreshed: %s", e.message)
+        return web.Response(
+            body=generate_latest(app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    return metrics
 
 
 def openapi_handler(document: Callable[[], dict[str, Any]]) -> Handler:

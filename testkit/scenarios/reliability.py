@@ -42,7 +42,7 @@ from pool.launcher import ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
-from router.app import start_server
+from pool.web import start_server
 from testkit.models import marker_token
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import NAMESPACE, PROBE_PROMPT, marker, push, start_router, wait_http

@@ -14,7 +14,8 @@ import pytest
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
-from router.app import create_app, start_server
+from pool.web import start_server
+from router.app import create_app
 from router.settings import RouterSettings
 from updater.service import UpdateRecord, UpdateState
 

@@ -15,6 +15,7 @@ from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
+from pool.web import BadRequest
 from router.admission import (
     Admitter,
     Constraints,
@@ -26,7 +27,6 @@ from router.admission import (
     check_satisfiable,
 )
 from router.bindings import Bindings
-from router.errors import BadRequest
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
 
