@@ -39,7 +39,7 @@ async def read_json_object(
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not valid JSON: {e}", code="invalid_json") from e
+        raise BadRequest(f"invalid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
         raise BadRequest(
             f"body must be a JSON object, got {type(body).__name__}", code="invalid_body"
