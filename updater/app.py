@@ -9,8 +9,8 @@ Routes (all JSON; errors are ``{"error": {"code", "message", ...}}``):
   names/shapes/dtypes) → 422 ``preflight_failed``, nothing queued.
 * ``GET /v1/updates/{id}`` (admin) — the record with each replica's outcome, phases and timings.
 * ``GET /v1/updates`` (admin) — the newest records, newest first (``?limit=``, max 1000).
-* ``GET /v1/pool`` — replicas, states, generations; ``GET /healthz``; ``GET /metrics``;
-  ``GET /openapi.json`` (:mod:`updater.openapi`).
+* ``GET /v1/pool`` (the same view as the router's: :class:`pool.web.PoolView`),
+  ``GET /healthz``, ``GET /metrics``, ``GET /openapi.json`` (:mod:`updater.openapi`).
 
 Every other path is admin (the kit's rules, shared with the router): no bearer header → 401,
 no admin token configured → 403 ``admin_disabled``, another token → 403.
@@ -41,6 +41,7 @@ from pool.web import (
     json_response,
     metrics_handler,
     openapi_handler,
+    pool_handler,
     read_json_object,
 )
 from updater.openapi import document
@@ -84,10 +85,6 @@ async def list_updates(request: web.Request) -> web.Response:
     return json_response({"updates": [r.model_dump(mode="json") for r in recs]})
 
 
-async def pool_view(request: web.Request) -> web.Response:
-    return json_response(await request.app[UPDATER].pool_view())
-
-
 def _readiness(app: web.Application) -> tuple[bool, Mapping[str, Any]]:
     up = app[UPDATER]
     return up.ready.is_set() and not up.lost.is_set(), {"lease": not up.lost.is_set()}
@@ -110,7 +107,7 @@ def create_app(
     app.router.add_post("/v1/updates", post_update)
     app.router.add_get("/v1/updates", list_updates, allow_head=False)
     app.router.add_get("/v1/updates/{id}", get_update, allow_head=False)
-    app.router.add_get("/v1/pool", pool_view, allow_head=False)
+    app.router.add_get("/v1/pool", pool_handler(settings.max_staleness), allow_head=False)
     app.router.add_get("/healthz", healthz_handler(_readiness), allow_head=False)
     app.router.add_get("/metrics", metrics_handler(), allow_head=False)
     app.router.add_get("/openapi.json", openapi_handler(document), allow_head=False)

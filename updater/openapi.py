@@ -29,8 +29,6 @@ def _errors(*codes: int) -> dict[str, Any]:
 
 
 def document() -> dict[str, Any]:
-    obj = {"type": "object"}
-    text = {"content": {"text/plain": {"schema": {"type": "string"}}}}
     paths: dict[str, Any] = {
         "/v1/updates": {
             "post": {
@@ -83,40 +81,7 @@ def document() -> dict[str, Any]:
                 },
             }
         },
-        "/v1/pool": {
-            "get": {
-                "operationId": "pool",
-                "security": PUBLIC,
-                "responses": {
-                    "200": json_content(obj, "replicas and the published generation"),
-                    **_errors(503),
-                },
-            }
-        },
-        "/healthz": {
-            "get": {
-                "operationId": "healthz",
-                "security": PUBLIC,
-                "responses": {
-                    "200": json_content(ref("Health"), "serving"),
-                    "503": json_content(ref("Health"), "Redis unreachable or not ready"),
-                },
-            }
-        },
-        "/metrics": {
-            "get": {
-                "operationId": "metrics",
-                "security": PUBLIC,
-                "responses": {"200": {"description": "Prometheus text", **text}},
-            }
-        },
-        "/openapi.json": {
-            "get": {
-                "operationId": "openapi",
-                "security": PUBLIC,
-                "responses": {"200": json_content(obj, "this document")},
-            }
-        },
+        **kit.common_paths(pool_security=PUBLIC, pool_errors=_errors(503)),
     }
     return kit.document(
         title="RolloutPool updater",

@@ -20,6 +20,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from router.app import create_app as create_router
 from router.settings import RouterSettings
+from testkit.harness import publish_ready
 from testkit.redis_server import free_port
 from updater.app import create_app as create_updater
 from updater.service import Updater
@@ -119,3 +120,37 @@ async def test_unreachable_store_answers_alike(service: Svc) -> None:
         body: dict[str, Any] = await r.json()
         assert r.status == 503 and body["status"] == "unavailable"
         assert body["error"]["code"] == "store_unavailable"
+
+
+async def test_pool_view_is_one_shape(
+    store_settings: StoreSettings, store: RedisStore, model_dir: Path
+) -> None:
+    await publish_ready(store, [("r0", "http://127.0.0.1:1"), ("r1", "http://127.0.0.1:2")])
+    await store.taint("r1", "operator", source="test")
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    views = []
+    for open_service in (router, updater_service(model_dir)):
+        async with open_service(store_settings, ADMIN) as c:
+            r = await c.get("/v1/pool", headers=auth)
+            assert r.status == 200
+            views.append(await r.json())
+    assert views[0] == views[1]
+    view = views[0]
+    assert view["latest"] == {"generation": 0, "label": "g0", "identity_digest": "wid:test"}
+    assert view["max_staleness"] == 1
+    assert [(x["replica_id"], x["state"], x["generation"]) for x in view["replicas"]] == [
+        ("r0", "READY", 0),
+        ("r1", "TAINTED", 0),
+    ]
+    assert set(view["replicas"][0]) == {
+        "replica_id",
+        "state",
+        "generation",
+        "label",
+        "identity_digest",
+        "active",
+        "capacity",
+        "url",
+        "reason",
+        "updated_ms",
+    }
