@@ -14,13 +14,25 @@ Routes (all JSON; errors are ``{"error": {"code", "message", ...}}``):
 
 Every other path is admin (the kit's rules, shared with the router): no bearer header → 401,
 no admin token configured → 403 ``admin_disabled``, another token → 403.
+
+Two ways to build it:
+
+* :func:`create_app` ``(settings, store_settings)`` — the service (``python -m updater``). No
+  I/O until it starts; one cleanup context then connects the store client, constructs the
+  :class:`Updater` and starts it (blocking while another updater holds the lease), and on
+  teardown stops it (replicas it launched included, lease released) and closes the store
+  client. If starting fails, what was started is stopped and the client closed before the
+  error propagates.
+* :func:`create_api` ``(updater, settings)`` — only the API, around an updater the caller owns
+  (constructs, starts, stops, and whose store client it closes): tests and scenarios that
+  drive the updater directly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +40,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from pool.metrics import UpdaterMetrics
+from pool.settings import StoreSettings
+from pool.store import RedisStore
 from pool.web import (
     POOL_GAUGES,
     REGISTRY,
@@ -90,20 +104,16 @@ def _readiness(app: web.Application) -> tuple[bool, Mapping[str, Any]]:
     return up.ready.is_set() and not up.lost.is_set(), {"lease": not up.lost.is_set()}
 
 
-def create_app(
-    updater: Updater, settings: UpdaterSettings, registry: CollectorRegistry | None = None
+def _api(
+    settings: UpdaterSettings, metrics: UpdaterMetrics, registry: CollectorRegistry
 ) -> web.Application:
-    """The API around a constructed :class:`Updater`. The caller starts/stops the updater
-    (``cleanup_ctx`` does it when ``start_updater`` is used)."""
+    """Routes and middlewares; ``UPDATER`` and ``STORE`` are set by the caller."""
     policy = AuthPolicy(public=PUBLIC, admin_prefixes=("/",), admin_token=settings.admin_token)
     app = web.Application(
         middlewares=[error_middleware(log), auth_middleware(policy)], client_max_size=MAX_BODY
     )
-    reg = registry or CollectorRegistry()
-    app[UPDATER] = updater
-    app[STORE] = updater.store
-    app[REGISTRY] = reg
-    app[POOL_GAUGES] = (updater.metrics or UpdaterMetrics.create(reg)).pool
+    app[REGISTRY] = registry
+    app[POOL_GAUGES] = metrics.pool
     app.router.add_post("/v1/updates", post_update)
     app.router.add_get("/v1/updates", list_updates, allow_head=False)
     app.router.add_get("/v1/updates/{id}", get_update, allow_head=False)
@@ -114,12 +124,44 @@ def create_app(
     return app
 
 
-def start_updater(app: web.Application) -> None:
-    """Run the updater's start/stop with the app (``start`` blocks on the lease)."""
+def _updater_ctx(
+    settings: UpdaterSettings, store_settings: StoreSettings, metrics: UpdaterMetrics
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def updater_ctx(app: web.Application) -> AsyncIterator[None]:
+        store = RedisStore.connect(store_settings)
+        try:
+            updater = Updater(settings, store, metrics=metrics)
+            app[UPDATER], app[STORE] = updater, store
+            try:
+                await updater.start()
+                yield
+            finally:
+                await updater.stop()
+        finally:
+            await store.close()
 
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        await app[UPDATER].start()
-        yield
-        await app[UPDATER].stop()
+    return updater_ctx
 
-    app.cleanup_ctx.append(ctx)
+
+def create_app(
+    settings: UpdaterSettings,
+    store_settings: StoreSettings,
+    registry: CollectorRegistry | None = None,
+) -> web.Application:
+    """The updater service: the API plus the updater and its store client as a cleanup context
+    (see the module docstring). ``app[UPDATER]`` exists once the app has started."""
+    registry = registry or CollectorRegistry()
+    metrics = UpdaterMetrics.create(registry)
+    app = _api(settings, metrics, registry)
+    app.cleanup_ctx.append(_updater_ctx(settings, store_settings, metrics))
+    return app
+
+
+def create_api(
+    updater: Updater, settings: UpdaterSettings, registry: CollectorRegistry | None = None
+) -> web.Application:
+    """The API around an updater the caller starts, stops and closes the store of."""
+    registry = registry or CollectorRegistry()
+    app = _api(settings, updater.metrics or UpdaterMetrics.create(registry), registry)
+    app[UPDATER], app[STORE] = updater, updater.store
+    return app

@@ -46,7 +46,7 @@ from pool.web import start_server
 from testkit.models import marker_token
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import NAMESPACE, PROBE_PROMPT, marker, push, start_router, wait_http
-from updater.app import create_app
+from updater.app import create_api
 from updater.service import ProbeSpec, Updater, UpdateRequest
 from updater.settings import ReplicaConfig, UpdaterSettings
 
@@ -98,7 +98,7 @@ async def start_env(workdir: Path) -> Env:
     )
     up = Updater(settings, store)
     await up.start()
-    runner, uport = await start_server(create_app(up, settings))
+    runner, uport = await start_server(create_api(up, settings))
     rport = free_port()
     router = start_router(
         rport,

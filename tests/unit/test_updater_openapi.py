@@ -9,10 +9,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from pool.settings import StoreSettings
-from pool.store import RedisStore
 from updater.app import create_app
 from updater.openapi import document
-from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
 
@@ -21,8 +19,7 @@ def test_document_matches_routes(tmp_path: Path) -> None:
     settings = UpdaterSettings(
         replicas=[ReplicaConfig(id="r0", url="http://127.0.0.1:9", model=tmp_path)]
     )
-    store = RedisStore.connect(StoreSettings(url="redis://127.0.0.1:9/0"))
-    app = create_app(Updater(settings, store), settings)
+    app = create_app(settings, StoreSettings(url="redis://127.0.0.1:9/0"))
     routes = {
         (r.method.lower(), r.resource.canonical)
         for r in app.router.routes()

@@ -22,7 +22,7 @@ from router.app import create_app as create_router
 from router.settings import RouterSettings
 from testkit.harness import publish_ready
 from testkit.redis_server import free_port
-from updater.app import create_app as create_updater
+from updater.app import create_api
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
@@ -54,7 +54,7 @@ def updater_service(model: Path) -> Service:
         )
         store = RedisStore.connect(store_settings)
         try:
-            app = create_updater(Updater(settings, store), settings)
+            app = create_api(Updater(settings, store), settings)
             async with TestClient(TestServer(app)) as c:
                 yield c
         finally:
