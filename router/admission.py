@@ -69,9 +69,13 @@ class Constraints(BaseModel):
     generation: int | None = Field(default=None, ge=0)
 
     @classmethod
-    def parse(cls, raw: Any, where: str) -> Constraints:
+    def parse(cls, raw: Any, where: str, *, strict: bool = True) -> Constraints:
+        """Validate ``raw``; strictly by default (a JSON ``false`` is not generation 0).
+
+        Raises :class:`BadRequest` (400 ``invalid_constraints``).
+        """
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(raw, strict=strict)
         except ValidationError as e:
             errors = [f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()]
             raise BadRequest(
@@ -87,18 +91,18 @@ class Constraints(BaseModel):
         ):
             if header in headers:
                 raw[name] = headers[header].strip()
-        return cls.parse(raw, "X-Rollout-* headers") if raw else cls()
+        return cls.parse(raw, "X-Rollout-* headers", strict=False) if raw else cls()
 
     def merge(self, other: Constraints) -> Constraints:
-        """Both sources together; contradicting exact generations are a 400."""
+        """Both sources together; contradicting exact generations are unsatisfiable (409)."""
         if (
             self.generation is not None
             and other.generation is not None
             and self.generation != other.generation
         ):
-            raise BadRequest(
+            raise GenerationUnsatisfiable(
                 f"conflicting exact generations {self.generation} and {other.generation}",
-                code="invalid_constraints",
+                requested=[self.generation, other.generation],
             )
         mins = [m for m in (self.min_generation, other.min_generation) if m is not None]
         return Constraints(

@@ -22,7 +22,8 @@ _TEXT = {
     403: "admin only",
     404: "unknown route, model or rollout",
     405: "method not allowed",
-    409: "generation unsatisfiable or rollout not active",
+    409: "generation unsatisfiable (none admissible meets the constraints, or the headers and "
+    "the body name different generations) or rollout not active",
     413: "body too large",
     422: "rejected by the replica (its 4xx is passed through)",
     429: "rate limited",

@@ -66,9 +66,22 @@ def test_constraints_from_headers_and_body() -> None:
         Constraints.from_headers({"X-Rollout-Generation": "latest"})
     with pytest.raises(BadRequest):
         Constraints.parse({"generation": 1, "extra": True}, "body")
-    with pytest.raises(BadRequest):
+    # header and body naming different exact generations: no generation satisfies both (409,
+    # documented; it was a 400 that a schema-valid request could not expect)
+    with pytest.raises(GenerationUnsatisfiable) as e:
         Constraints(generation=1).merge(Constraints(generation=2))
+    assert e.value.status == 409
     assert Constraints(min_generation=2).allows(3) and not Constraints(generation=2).allows(3)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"generation": False}, {"min_generation": True}, {"generation": "3"}, {"generation": 1.5}],
+)
+def test_constraints_in_a_body_are_strictly_typed(body: dict[str, object]) -> None:
+    # pins: {"generation": false} was taken as generation 0
+    with pytest.raises(BadRequest):
+        Constraints.parse(body, "body")
 
 
 @pytest.mark.parametrize(
