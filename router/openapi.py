@@ -1,7 +1,8 @@
 """The router's OpenAPI 3.1 document (served at ``/openapi.json``).
 
 The inference routes take vLLM's OpenAI-compatible bodies (documented as open objects with the
-fields the router itself reads); the router's own bodies come from its pydantic models.
+fields the router itself reads: the replica validates the rest, and its 4xx answers are passed
+through as ``ReplicaError``); the router's own bodies come from its pydantic models.
 ``tests/unit/test_router_openapi.py`` keeps the document in sync with the route table.
 Documented server errors: 502 (upstream failed or a provenance violation), 503 (no admissible
 replica, or Redis unreachable — admission fails closed), 504 (upstream timeout). A 500 is a bug.
@@ -25,7 +26,7 @@ _TEXT = {
     409: "generation unsatisfiable (none admissible meets the constraints, or the headers and "
     "the body name different generations) or rollout not active",
     413: "body too large",
-    422: "rejected by the replica (its 4xx is passed through)",
+    422: "rejected by the replica",
     429: "rate limited",
     502: "upstream error or provenance violation",
     503: "no admissible replica or store unavailable",
@@ -39,6 +40,26 @@ ROLLOUT = {
         "label": {"type": "string"},
         "identity_digest": {"type": "string"},
         "replica": {"type": "string"},
+    },
+}
+#: A replica's own 4xx answer, passed through with the ``rollout`` object added: vLLM's
+#: ``ErrorResponse`` (``error.code`` is the HTTP status, an integer) or FastAPI's ``detail``.
+REPLICA_ERROR = {
+    "type": "object",
+    "required": ["rollout"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["integer", "string", "null"]},
+            },
+        },
+        "detail": {},
+        "rollout": ref("Rollout"),
     },
 }
 ID = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -59,6 +80,7 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
             "rollout": ref("Constraints"),
         },
     }
+    either = {"anyOf": [ref("Error"), ref("ReplicaError")]}
     return {
         "post": {
             "operationId": op,
@@ -94,11 +116,13 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                # the replica's own 4xx answers (e.g. 403, 422) are passed through unchanged
-                "4XX": json_content(
-                    ref("Error"), "client error (the router's, or the replica's passed through)"
-                ),
-                **_errors(400, 401, 404, 409, 413, 429, 502, 503, 504),
+                # the router's own 4xx, or the replica's (it validates the rest of the body)
+                **{
+                    str(s): json_content(either, _TEXT[s] + "; or the replica's 4xx, passed on")
+                    for s in (400, 404, 422)
+                },
+                "4XX": json_content(either, "the replica's 4xx, passed through"),
+                **_errors(401, 409, 413, 429, 502, 503, 504),
             },
         }
     }
@@ -199,5 +223,9 @@ def document() -> dict[str, Any]:
         title="RolloutPool router",
         description="OpenAI-compatible rollouts bound to one policy generation.",
         paths=paths,
-        schemas={"Rollout": ROLLOUT, **model_schemas(Constraints, TaintRequest)},
+        schemas={
+            "Rollout": ROLLOUT,
+            "ReplicaError": REPLICA_ERROR,
+            **model_schemas(Constraints, TaintRequest),
+        },
     )
