@@ -4,11 +4,13 @@ checkpoints here.
 Routes (all JSON; errors are ``{"error": {"code", "message", ...}}``):
 
 * ``POST /v1/updates`` (admin) — :class:`~updater.service.UpdateRequest` → 202 with the update
-  record (id, generation, label, state ``queued``). A body that fails validation → 422
-  ``invalid_body``; a checkpoint that fails the read-only preflight (missing path, wrong
-  names/shapes/dtypes) → 422 ``preflight_failed``, nothing queued.
+  record (id, generation, label, state ``queued``). A body that fails validation (strictly
+  typed: ``"step": "5"`` or ``true`` is refused, not converted) → 422 ``invalid_body``; a
+  checkpoint that fails the read-only preflight (missing path, wrong names/shapes/dtypes) →
+  422 ``preflight_failed``, nothing queued.
 * ``GET /v1/updates/{id}`` (admin) — the record with each replica's outcome, phases and timings.
-* ``GET /v1/updates`` (admin) — the newest records, newest first (``?limit=``, max 1000).
+* ``GET /v1/updates`` (admin) — the newest records, newest first (``?limit=`` in [1, 1000],
+  default 100; outside → 400 ``invalid_query``).
 * ``GET /v1/pool`` (the same view as the router's: :class:`pool.web.PoolView`),
   ``GET /healthz``, ``GET /metrics``, ``GET /openapi.json`` (:mod:`updater.openapi`).
 
@@ -58,7 +60,7 @@ from pool.web import (
     pool_handler,
     read_json_object,
 )
-from updater.openapi import document
+from updater.openapi import MAX_LIST, document
 from updater.service import Updater, UpdateRequest
 from updater.settings import UpdaterSettings
 
@@ -71,7 +73,7 @@ MAX_BODY = 1 << 20
 async def post_update(request: web.Request) -> web.Response:
     body = await read_json_object(request, MAX_BODY)
     try:
-        req = UpdateRequest.model_validate(body)
+        req = UpdateRequest.model_validate(body, strict=True)  # a JSON true is not step 1
     except ValidationError as e:
         details = [{"loc": list(x["loc"]), "msg": x["msg"]} for x in e.errors()]
         raise Unprocessable(
@@ -90,11 +92,13 @@ async def get_update(request: web.Request) -> web.Response:
 
 
 async def list_updates(request: web.Request) -> web.Response:
+    raw = request.query.get("limit", "100")
     try:
-        limit = int(request.query.get("limit", "100"))
+        limit = int(raw)
     except ValueError as e:
-        raise BadRequest("limit must be an integer", code="invalid_query") from e
-    limit = max(1, min(limit, 1000))
+        raise BadRequest("limit must be an integer", code="invalid_query", limit=raw) from e
+    if not 1 <= limit <= MAX_LIST:
+        raise BadRequest(f"limit must be in [1, {MAX_LIST}]", code="invalid_query", limit=raw)
     recs = await request.app[UPDATER].list(limit)
     return json_response({"updates": [r.model_dump(mode="json") for r in recs]})
 

@@ -1,5 +1,5 @@
-"""The router's OpenAPI document matches its routes (its validity is exercised by the
-schemathesis fuzz run in tests/integration/test_reliability.py)."""
+"""The router's OpenAPI document matches its routes (the whole document against the running
+service: schemathesis in tests/integration/test_api_conformance.py)."""
 
 from __future__ import annotations
 
