@@ -43,7 +43,7 @@ from pool.errors import AdmissionRefused, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Admission, RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
-from pool.web import BadRequest, Conflict
+from pool.web import BadRequest, Conflict, validate_strictly
 from router.bindings import Bindings
 from router.errors import NoReplicaAvailable
 
@@ -75,7 +75,7 @@ class Constraints(BaseModel):
         Raises :class:`BadRequest` (400 ``invalid_constraints``).
         """
         try:
-            return cls.model_validate(raw, strict=strict)
+            return validate_strictly(cls, raw) if strict else cls.model_validate(raw)
         except ValidationError as e:
             errors = [f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()]
             raise BadRequest(

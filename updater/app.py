@@ -59,6 +59,7 @@ from pool.web import (
     openapi_handler,
     pool_handler,
     read_json_object,
+    validate_strictly,
 )
 from updater.openapi import MAX_LIST, document
 from updater.service import Updater, UpdateRequest
@@ -73,7 +74,7 @@ MAX_BODY = 1 << 20
 async def post_update(request: web.Request) -> web.Response:
     body = await read_json_object(request, MAX_BODY)
     try:
-        req = UpdateRequest.model_validate(body, strict=True)  # a JSON true is not step 1
+        req = validate_strictly(UpdateRequest, body)  # a JSON true is not step 1
     except ValidationError as e:
         details = [{"loc": list(x["loc"]), "msg": x["msg"]} for x in e.errors()]
         raise Unprocessable(

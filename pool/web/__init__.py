@@ -6,7 +6,8 @@ Modules (read in this order):
 * :mod:`pool.web.errors` — ``HttpError`` and its subclasses, the status table of pool errors
   (``status_of``), the one error middleware
 * :mod:`pool.web.auth` — ``AuthPolicy`` (public / admin / client paths) and its middleware
-* :mod:`pool.web.responses`, :mod:`pool.web.bodies` — JSON answers, reading a JSON body
+* :mod:`pool.web.responses`, :mod:`pool.web.bodies` — JSON answers, reading a JSON body and
+  validating it strictly
 * :mod:`pool.web.handlers` — ``/healthz``, ``/metrics``, ``/v1/pool`` (``PoolView``),
   ``/openapi.json``, and the app keys they read (``STORE``, ``REGISTRY``, ``POOL_GAUGES``)
 * :mod:`pool.web.openapi` — the Error schema, ``$ref``, response builders, the shared paths
@@ -14,7 +15,7 @@ Modules (read in this order):
 """
 
 from pool.web.auth import CLIENT, AuthPolicy, auth_middleware, bearer_token
-from pool.web.bodies import read_json_object
+from pool.web.bodies import read_json_object, validate_strictly
 from pool.web.errors import (
     BadRequest,
     Conflict,
@@ -72,4 +73,5 @@ __all__ = [
     "run",
     "start_server",
     "status_of",
+    "validate_strictly",
 ]

@@ -82,6 +82,7 @@ def test_constraints_in_a_body_are_strictly_typed(body: dict[str, object]) -> No
     # pins: {"generation": false} was taken as generation 0
     with pytest.raises(BadRequest):
         Constraints.parse(body, "body")
+    assert Constraints.parse({"generation": 2.0}, "body") == Constraints(generation=2)
 
 
 @pytest.mark.parametrize(

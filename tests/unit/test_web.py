@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from pool.errors import (
     AdmissionRefused,
@@ -36,6 +36,7 @@ from pool.web import (
     error_middleware,
     json_response,
     read_json_object,
+    validate_strictly,
 )
 
 log = logging.getLogger("test-web")
@@ -177,3 +178,29 @@ async def test_admin_disabled_and_open_data_plane() -> None:
         assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
         r = await c.get("/secret/x", headers={"Authorization": "Bearer anything"})
         assert r.status == 403 and (await r.json())["error"]["code"] == "admin_disabled"
+
+
+class Probe(BaseModel):
+    step: int
+    ids: list[int]
+    weight: float = 0.0
+
+
+@pytest.mark.parametrize(
+    "raw,ok",
+    [
+        ({"step": 1, "ids": [1, 2]}, True),
+        ({"step": 1.0, "ids": [2.0], "weight": 3}, True),  # JSON Schema: 1.0 is an integer
+        ({"step": True, "ids": []}, False),  # a boolean is not an integer
+        ({"step": "1", "ids": []}, False),  # nor a string
+        ({"step": 1.5, "ids": []}, False),
+        ({"step": 1, "ids": [False]}, False),
+    ],
+)
+def test_strict_validation_takes_json_integers_only(raw: dict[str, Any], ok: bool) -> None:
+    try:
+        probe = validate_strictly(Probe, raw)
+    except ValidationError:
+        assert not ok
+    else:
+        assert ok and type(probe.step) is int and all(type(i) is int for i in probe.ids)
