@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -177,5 +178,10 @@ def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.A
     app.router.add_get("/metrics", metrics_handler(), allow_head=False)
     app.router.add_get("/dashboard", status.dashboard, allow_head=False)
     app.router.add_post("/v1/admin/replicas/{replica_id}/taint", status.taint)
-    app.router.add_get("/openapi.json", openapi_handler(openapi.document), allow_head=False)
+    document = functools.partial(
+        openapi.document,
+        client_keys=bool(settings.api_keys),
+        model=settings.served_model_name,
+    )
+    app.router.add_get("/openapi.json", openapi_handler(document), allow_head=False)
     return app

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from pool.web import openapi as kit
-from pool.web.openapi import ADMIN, CLIENT, error_responses, json_content, model_schemas, ref
+from pool.web.openapi import ADMIN, PUBLIC, error_responses, json_content, model_schemas, ref
 from router.admission import Constraints
 from router.status import TaintRequest
 
@@ -62,6 +62,7 @@ REPLICA_ERROR = {
         "rollout": ref("Rollout"),
     },
 }
+Security = list[dict[str, list[str]]]
 ID = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
@@ -69,7 +70,9 @@ def _errors(*codes: int) -> dict[str, Any]:
     return error_responses(_TEXT, *codes)
 
 
-def _inference(op: str, required: list[str]) -> dict[str, Any]:
+def _inference(
+    op: str, required: list[str], example: dict[str, Any], client: Security
+) -> dict[str, Any]:
     body = {
         "type": "object",
         "required": required,
@@ -84,7 +87,7 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
     return {
         "post": {
             "operationId": op,
-            "security": CLIENT,
+            "security": client,
             "parameters": [
                 {
                     "name": "X-Rollout-Id",
@@ -105,7 +108,10 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
                     "schema": {"type": "integer", "minimum": 0},
                 },
             ],
-            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": body, "example": example}},
+            },
             "responses": {
                 "200": {
                     "description": "vLLM's response plus a `rollout` object (JSON) or SSE",
@@ -128,24 +134,44 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
     }
 
 
-def document() -> dict[str, Any]:
+def document(*, client_keys: bool = False, model: str = "rolloutpool") -> dict[str, Any]:
+    """The document of a router with (``client_keys``) or without client API keys configured:
+    the data plane's security is a bearer token (a client key or the admin token) or none.
+    ``model`` (the served model name) is used in the request examples."""
+    client: Security = ADMIN if client_keys else PUBLIC
+    short = {"max_tokens": 4, "temperature": 0.0}
     obj = {"type": "object"}
     html = {"content": {"text/html": {"schema": {"type": "string"}}}}
     paths: dict[str, Any] = {
-        "/v1/completions": _inference("completions", ["model", "prompt"]),
-        "/v1/chat/completions": _inference("chat_completions", ["model", "messages"]),
-        "/inference/v1/generate": _inference("generate", ["token_ids"]),
+        "/v1/completions": _inference(
+            "completions",
+            ["model", "prompt"],
+            {"model": model, "prompt": "Once upon a time", **short},
+            client,
+        ),
+        "/v1/chat/completions": _inference(
+            "chat_completions",
+            ["model", "messages"],
+            {"model": model, "messages": [{"role": "user", "content": "Hello"}], **short},
+            client,
+        ),
+        "/inference/v1/generate": _inference(
+            "generate",
+            ["token_ids"],
+            {"token_ids": [1, 2, 3, 4], "sampling_params": short},
+            client,
+        ),
         "/v1/models": {
             "get": {
                 "operationId": "models",
-                "security": CLIENT,
+                "security": client,
                 "responses": {"200": json_content(obj, "the served model"), **_errors(401)},
             }
         },
         "/v1/rollouts": {
             "post": {
                 "operationId": "open_session",
-                "security": CLIENT,
+                "security": client,
                 "requestBody": {
                     "required": False,
                     "content": {"application/json": {"schema": ref("Constraints")}},
@@ -159,7 +185,7 @@ def document() -> dict[str, Any]:
         "/v1/rollouts/{rollout_id}": {
             "get": {
                 "operationId": "get_rollout",
-                "security": CLIENT,
+                "security": client,
                 "parameters": [ID],
                 "responses": {
                     "200": json_content(obj, "the provenance record"),
@@ -170,7 +196,7 @@ def document() -> dict[str, Any]:
         "/v1/rollouts/{rollout_id}/heartbeat": {
             "post": {
                 "operationId": "heartbeat",
-                "security": CLIENT,
+                "security": client,
                 "parameters": [ID],
                 "responses": {
                     "200": json_content(obj, "lease extended"),
@@ -181,7 +207,7 @@ def document() -> dict[str, Any]:
         "/v1/rollouts/{rollout_id}/close": {
             "post": {
                 "operationId": "close_session",
-                "security": CLIENT,
+                "security": client,
                 "parameters": [ID],
                 "responses": {"200": json_content(obj, "closed"), **_errors(401, 404, 409, 503)},
             }
@@ -217,7 +243,7 @@ def document() -> dict[str, Any]:
                 },
             }
         },
-        **kit.common_paths(pool_security=CLIENT, pool_errors=_errors(401, 503)),
+        **kit.common_paths(pool_security=client, pool_errors=_errors(401, 503)),
     }
     return kit.document(
         title="RolloutPool router",

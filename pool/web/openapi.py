@@ -39,9 +39,9 @@ HEALTH: Schema = {
     },
 }
 
-#: Security requirements: the admin token; a client key where keys are configured.
+#: Security requirements: a bearer token (the admin token, or a client key where the path is a
+#: client path and keys are configured); none.
 ADMIN: list[dict[str, list[str]]] = [{"bearer": []}]
-CLIENT: list[dict[str, list[str]]] = [{}, {"bearer": []}]
 PUBLIC: list[dict[str, list[str]]] = []
 
 
