@@ -57,7 +57,7 @@ def _status(router: str) -> int:
         print(f"cannot reach the router at {router}: {e}", file=sys.stderr)
         return 2
     latest = pool.get("latest") or {}
-    print(f"published generation: {latest.get('number', '-')} ({latest.get('label', '-')})")
+    print(f"published generation: {latest.get('generation', '-')} ({latest.get('label', '-')})")
     print(f"{'replica':<12} {'state':<13} {'gen':>4} {'label':<10} {'active':>6}  url")
     for r in pool.get("replicas", []):
         gen = "-" if r.get("generation") is None else r["generation"]

@@ -18,20 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field
 
 from pool.launcher import ReplicaSpec, default_cache_root
-from pool.metrics import UpdaterMetrics
 from pool.settings import StoreSettings
-from pool.store import RedisStore
+from pool.web import start_server
 from router.app import create_app as create_router
-from router.app import start_server
 from router.settings import RouterSettings
 from testkit.models import ensure_model
 from testkit.redis_server import RedisServer
 from updater.app import create_app as create_updater_app
-from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
 Progress = Callable[[str], None]
@@ -68,7 +64,6 @@ class EmbeddedPool:
         self.say = progress
         self.admin_token = config.admin_token or secrets.token_urlsafe(18)
         self.redis: RedisServer | None = None
-        self.updater: Updater | None = None
         self._runners: list[web.AppRunner] = []
         self.router_url = ""
         self.updater_url = ""
@@ -118,21 +113,16 @@ class EmbeddedPool:
             replicas=replicas,
             **c.updater,
         )
-        registry = CollectorRegistry()
-        self.updater = Updater(
-            usettings, RedisStore.connect(store_settings), metrics=UpdaterMetrics.create(registry)
-        )
         self.say(
             f"starting {c.replicas} vLLM CPU replicas and bootstrapping generation g0 "
             "(about a minute on 2 cores)"
         )
         t0 = time.monotonic()
-        await self.updater.start()
-        self.say(f"replicas READY on g0 after {time.monotonic() - t0:.0f}s")
-
-        app = create_updater_app(self.updater, usettings, registry)
+        # the updater app starts the updater (and its replicas) before it listens
+        app = create_updater_app(usettings, store_settings)
         runner, port = await start_server(app, "127.0.0.1", c.updater_port)
         self._runners.append(runner)
+        self.say(f"replicas READY on g0 after {time.monotonic() - t0:.0f}s")
         self.updater_url = f"http://127.0.0.1:{port}"
 
         rsettings = RouterSettings(
@@ -155,10 +145,6 @@ class EmbeddedPool:
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
-        if self.updater is not None:
-            await self.updater.stop()
-            await self.updater.store.close()
-            self.updater = None
         if self.redis is not None:
             await asyncio.to_thread(self.redis.stop)
             self.redis = None

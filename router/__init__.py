@@ -10,18 +10,23 @@ reachable; vLLM's control endpoints are not.
 Modules (read in this order):
 
 * :mod:`router.settings` — ``RouterSettings`` (env ``ROLLOUTPOOL_ROUTER_*``)
-* :mod:`router.app` — ``create_app(settings, store_settings)``, resources, ``start_server``
+* :mod:`router.app` — ``create_app(settings, store_settings)``, resources (serve it with
+  :func:`pool.web.start_server`)
 * :mod:`router.proxy` — forwarding, SSE streaming, the outcome of each request
 * :mod:`router.admission` — constraints, the cached pool view, ordering and admitting
 * :mod:`router.sessions` — ``/v1/rollouts`` (multi-request rollouts) and provenance records
 * :mod:`router.bindings` — releasing (shielded, retried) and lease renewal
 * :mod:`router.provenance` — the ``rollout`` object, ``X-Rollout-*`` headers, span check
 * :mod:`router.upstream` — the pooled client session and the replicas' model ids
-* :mod:`router.status` — ``/v1/pool``, ``/healthz``, ``/metrics``, ``/dashboard``, admin taint
-* :mod:`router.auth`, :mod:`router.errors`, :mod:`router.bodies`, :mod:`router.keys`
+* :mod:`router.status` — ``/v1/models``, ``/dashboard``, admin taint
+* :mod:`router.auth` (the router's auth policy, rate limit), :mod:`router.errors` (502/503/504),
+  :mod:`router.keys`, :mod:`router.openapi`
+
+Errors, auth rules, JSON, ``/v1/pool``, ``/healthz``, ``/metrics`` and serving come from the HTTP
+kit shared with the updater, :mod:`pool.web`.
 """
 
-from router.app import create_app, start_server
+from router.app import create_app
 from router.settings import RouterSettings
 
-__all__ = ["RouterSettings", "create_app", "start_server"]
+__all__ = ["RouterSettings", "create_app"]

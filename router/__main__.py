@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from aiohttp import web
-
 from pool.settings import StoreSettings
+from pool.web import run
 from router.app import create_app
 from router.settings import RouterSettings
 
@@ -33,14 +32,7 @@ def main() -> None:
         settings.served_model_name,
         settings.max_staleness,
     )
-    web.run_app(
-        create_app(settings, store_settings),
-        host=settings.host,
-        port=settings.port,
-        handler_cancellation=True,
-        access_log=None,
-        print=None,
-    )
+    run(create_app(settings, store_settings), settings.host, settings.port)
 
 
 if __name__ == "__main__":

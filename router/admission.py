@@ -43,8 +43,9 @@ from pool.errors import AdmissionRefused, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Admission, RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
+from pool.web import BadRequest, Conflict, validate_strictly
 from router.bindings import Bindings
-from router.errors import BadRequest, Conflict, NoReplicaAvailable
+from router.errors import NoReplicaAvailable
 
 HEADER_MIN_GENERATION = "X-Rollout-Min-Generation"
 HEADER_GENERATION = "X-Rollout-Generation"
@@ -68,9 +69,13 @@ class Constraints(BaseModel):
     generation: int | None = Field(default=None, ge=0)
 
     @classmethod
-    def parse(cls, raw: Any, where: str) -> Constraints:
+    def parse(cls, raw: Any, where: str, *, strict: bool = True) -> Constraints:
+        """Validate ``raw``; strictly by default (a JSON ``false`` is not generation 0).
+
+        Raises :class:`BadRequest` (400 ``invalid_constraints``).
+        """
         try:
-            return cls.model_validate(raw)
+            return validate_strictly(cls, raw) if strict else cls.model_validate(raw)
         except ValidationError as e:
             errors = [f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()]
             raise BadRequest(
@@ -86,18 +91,18 @@ class Constraints(BaseModel):
         ):
             if header in headers:
                 raw[name] = headers[header].strip()
-        return cls.parse(raw, "X-Rollout-* headers") if raw else cls()
+        return cls.parse(raw, "X-Rollout-* headers", strict=False) if raw else cls()
 
     def merge(self, other: Constraints) -> Constraints:
-        """Both sources together; contradicting exact generations are a 400."""
+        """Both sources together; contradicting exact generations are unsatisfiable (409)."""
         if (
             self.generation is not None
             and other.generation is not None
             and self.generation != other.generation
         ):
-            raise BadRequest(
+            raise GenerationUnsatisfiable(
                 f"conflicting exact generations {self.generation} and {other.generation}",
-                code="invalid_constraints",
+                requested=[self.generation, other.generation],
             )
         mins = [m for m in (self.min_generation, other.min_generation) if m is not None]
         return Constraints(

@@ -15,11 +15,12 @@ starts and torn down in reverse order when it stops:
    retried next tick); and the lease renewer of this router's in-flight requests
    (:meth:`Bindings.renew_forever`, ticking every sixth of the shortest lease, at most 1 s).
 
-Middlewares, outermost first: JSON errors, request timing (``rolloutpool_request_seconds``),
-auth, optional rate limit. Only the routes below exist; anything else is a JSON 404 (vLLM's
-control endpoints are never reachable through the router).
+Middlewares, outermost first: JSON errors (the HTTP kit's, :mod:`pool.web.errors`), request
+timing (``rolloutpool_request_seconds``), auth (:mod:`router.auth`), optional rate limit. Only
+the routes below exist; anything else is a JSON 404 (vLLM's control endpoints are never
+reachable through the router).
 
-Serve it with :func:`start_server` or ``python -m router``; both enable aiohttp's
+Serve it with :func:`pool.web.start_server` or ``python -m router``; both enable aiohttp's
 ``handler_cancellation``, which is how client disconnects reach the proxy (:mod:`router.proxy`).
 """
 
@@ -27,29 +28,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry
 
 from pool.errors import StoreError
 from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore
+from pool.web import (
+    error_middleware,
+    healthz_handler,
+    metrics_handler,
+    openapi_handler,
+    pool_handler,
+)
 from router import openapi, proxy, sessions, status
 from router.admission import Admitter, ReplicaView
-from router.auth import auth_middleware, rate_limit_middleware
+from router.auth import rate_limit_middleware, router_auth
 from router.bindings import Bindings
-from router.errors import Handler, error_middleware
 from router.keys import (
     ADMITTER,
     BINDINGS,
     CATALOG,
     HTTP,
     METRICS,
+    POOL_GAUGES,
     REAPER,
     REGISTRY,
     SETTINGS,
@@ -62,7 +71,7 @@ from router.upstream import ReplicaCatalog, client_session
 log = logging.getLogger("router")
 
 
-def timing_middleware(metrics: RouterMetrics) -> Any:
+def timing_middleware(metrics: RouterMetrics) -> Middleware:
     @web.middleware
     async def timing(request: web.Request, handler: Handler) -> web.StreamResponse:
         t0 = time.monotonic()
@@ -76,7 +85,9 @@ def timing_middleware(metrics: RouterMetrics) -> Any:
     return timing
 
 
-def _store_ctx(store_settings: StoreSettings) -> Any:
+def _store_ctx(
+    store_settings: StoreSettings,
+) -> Callable[[web.Application], AsyncIterator[None]]:
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         settings, metrics = app[SETTINGS], app[METRICS]
         store = RedisStore.connect(store_settings)
@@ -138,24 +149,21 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
 
 
-async def _openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi.document())
-
-
 def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.Application:
     """A wired router app (no I/O until it is started)."""
     registry = CollectorRegistry()
     metrics = RouterMetrics.create(registry)
     app = web.Application(
         middlewares=[
-            error_middleware(settings.retry_after_s),
+            error_middleware(log, settings.retry_after_s),
             timing_middleware(metrics),
-            auth_middleware(settings),
+            router_auth(settings),
             rate_limit_middleware(settings),
         ],
         client_max_size=settings.max_body_bytes + 1,
     )
     app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, metrics
+    app[POOL_GAUGES] = metrics.pool
     app.cleanup_ctx.extend([_store_ctx(store_settings), _upstream_ctx, _background_ctx])
 
     for path in proxy.INFERENCE_ROUTES:
@@ -165,29 +173,15 @@ def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.A
     app.router.add_get("/v1/rollouts/{rollout_id}", sessions.get_rollout, allow_head=False)
     app.router.add_post("/v1/rollouts/{rollout_id}/heartbeat", sessions.heartbeat)
     app.router.add_post("/v1/rollouts/{rollout_id}/close", sessions.close_session)
-    app.router.add_get("/v1/pool", status.pool, allow_head=False)
-    app.router.add_get("/healthz", status.healthz, allow_head=False)
-    app.router.add_get("/metrics", status.metrics, allow_head=False)
+    app.router.add_get("/v1/pool", pool_handler(settings.max_staleness), allow_head=False)
+    app.router.add_get("/healthz", healthz_handler(), allow_head=False)
+    app.router.add_get("/metrics", metrics_handler(), allow_head=False)
     app.router.add_get("/dashboard", status.dashboard, allow_head=False)
     app.router.add_post("/v1/admin/replicas/{replica_id}/taint", status.taint)
-    app.router.add_get("/openapi.json", _openapi, allow_head=False)
+    document = functools.partial(
+        openapi.document,
+        client_keys=bool(settings.api_keys),
+        model=settings.served_model_name,
+    )
+    app.router.add_get("/openapi.json", openapi_handler(document), allow_head=False)
     return app
-
-
-async def start_server(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0
-) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port`` (0: a free port) with handler cancellation enabled.
-
-    Returns the runner (``await runner.cleanup()`` stops it) and the bound port.
-    """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = port
-    for addr in runner.addresses:
-        if isinstance(addr, tuple):
-            bound = int(addr[1])
-            break
-    return runner, bound

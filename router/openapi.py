@@ -1,7 +1,8 @@
 """The router's OpenAPI 3.1 document (served at ``/openapi.json``).
 
 The inference routes take vLLM's OpenAI-compatible bodies (documented as open objects with the
-fields the router itself reads); the router's own bodies come from its pydantic models.
+fields the router itself reads: the replica validates the rest, and its 4xx answers are passed
+through as ``ReplicaError``); the router's own bodies come from its pydantic models.
 ``tests/unit/test_router_openapi.py`` keeps the document in sync with the route table.
 Documented server errors: 502 (upstream failed or a provenance violation), 503 (no admissible
 replica, or Redis unreachable — admission fails closed), 504 (upstream timeout). A 500 is a bug.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pool.web import openapi as kit
+from pool.web.openapi import ADMIN, PUBLIC, error_responses, json_content, model_schemas, ref
 from router.admission import Constraints
 from router.status import TaintRequest
 
@@ -18,26 +21,16 @@ _TEXT = {
     400: "bad JSON or body",
     401: "missing or wrong client key",
     403: "admin only",
-    422: "rejected by the replica (its 4xx is passed through)",
     404: "unknown route, model or rollout",
     405: "method not allowed",
-    409: "generation unsatisfiable or rollout not active",
+    409: "generation unsatisfiable (none admissible meets the constraints, or the headers and "
+    "the body name different generations) or rollout not active",
     413: "body too large",
+    422: "rejected by the replica",
     429: "rate limited",
     502: "upstream error or provenance violation",
     503: "no admissible replica or store unavailable",
     504: "upstream timeout",
-}
-ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["code", "message"],
-            "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
-        }
-    },
 }
 ROLLOUT = {
     "type": "object",
@@ -49,22 +42,37 @@ ROLLOUT = {
         "replica": {"type": "string"},
     },
 }
+#: A replica's own 4xx answer, passed through with the ``rollout`` object added: vLLM's
+#: ``ErrorResponse`` (``error.code`` is the HTTP status, an integer) or FastAPI's ``detail``.
+REPLICA_ERROR = {
+    "type": "object",
+    "required": ["rollout"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["integer", "string", "null"]},
+            },
+        },
+        "detail": {},
+        "rollout": ref("Rollout"),
+    },
+}
+Security = list[dict[str, list[str]]]
 ID = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
 def _errors(*codes: int) -> dict[str, Any]:
-    return {str(c): _json(_ref("Error"), _TEXT[c]) for c in codes}
+    return error_responses(_TEXT, *codes)
 
 
-def _inference(op: str, required: list[str]) -> dict[str, Any]:
+def _inference(
+    op: str, required: list[str], example: dict[str, Any], client: Security
+) -> dict[str, Any]:
     body = {
         "type": "object",
         "required": required,
@@ -72,13 +80,14 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
         "properties": {
             "model": {"type": "string"},
             "stream": {"type": "boolean"},
-            "rollout": _ref("Constraints"),
+            "rollout": ref("Constraints"),
         },
     }
+    either = {"anyOf": [ref("Error"), ref("ReplicaError")]}
     return {
         "post": {
             "operationId": op,
-            "security": [{}, {"bearer": []}],
+            "security": client,
             "parameters": [
                 {
                     "name": "X-Rollout-Id",
@@ -99,165 +108,150 @@ def _inference(op: str, required: list[str]) -> dict[str, Any]:
                     "schema": {"type": "integer", "minimum": 0},
                 },
             ],
-            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": body, "example": example}},
+            },
             "responses": {
                 "200": {
                     "description": "vLLM's response plus a `rollout` object (JSON) or SSE",
                     "content": {
                         "application/json": {
-                            "schema": {"type": "object", "properties": {"rollout": _ref("Rollout")}}
+                            "schema": {"type": "object", "properties": {"rollout": ref("Rollout")}}
                         },
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                # the replica's own 4xx answers (e.g. 403, 422) are passed through unchanged
-                "4XX": _json(
-                    _ref("Error"), "client error (the router's, or the replica's passed through)"
-                ),
-                **_errors(400, 401, 404, 409, 413, 429, 502, 503, 504),
+                # the router's own 4xx, or the replica's (it validates the rest of the body)
+                **{
+                    str(s): json_content(either, _TEXT[s] + "; or the replica's 4xx, passed on")
+                    for s in (400, 404, 422)
+                },
+                "4XX": json_content(either, "the replica's 4xx, passed through"),
+                **_errors(401, 409, 413, 429, 502, 503, 504),
             },
         }
     }
 
 
-def document() -> dict[str, Any]:
-    schemas: dict[str, Any] = {"Error": ERROR, "Rollout": ROLLOUT}
-    for model in (Constraints, TaintRequest):
-        schemas[model.__name__] = model.model_json_schema(
-            ref_template="#/components/schemas/{model}"
-        )
+def document(*, client_keys: bool = False, model: str = "rolloutpool") -> dict[str, Any]:
+    """The document of a router with (``client_keys``) or without client API keys configured:
+    the data plane's security is a bearer token (a client key or the admin token) or none.
+    ``model`` (the served model name) is used in the request examples."""
+    client: Security = ADMIN if client_keys else PUBLIC
+    short = {"max_tokens": 4, "temperature": 0.0}
     obj = {"type": "object"}
-    client: list[dict[str, list[str]]] = [{}, {"bearer": []}]
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "RolloutPool router",
-            "version": "1",
-            "description": "OpenAI-compatible rollouts bound to one policy generation.",
+    html = {"content": {"text/html": {"schema": {"type": "string"}}}}
+    paths: dict[str, Any] = {
+        "/v1/completions": _inference(
+            "completions",
+            ["model", "prompt"],
+            {"model": model, "prompt": "Once upon a time", **short},
+            client,
+        ),
+        "/v1/chat/completions": _inference(
+            "chat_completions",
+            ["model", "messages"],
+            {"model": model, "messages": [{"role": "user", "content": "Hello"}], **short},
+            client,
+        ),
+        "/inference/v1/generate": _inference(
+            "generate",
+            ["token_ids"],
+            {"token_ids": [1, 2, 3, 4], "sampling_params": short},
+            client,
+        ),
+        "/v1/models": {
+            "get": {
+                "operationId": "models",
+                "security": client,
+                "responses": {"200": json_content(obj, "the served model"), **_errors(401)},
+            }
         },
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "/v1/rollouts": {
+            "post": {
+                "operationId": "open_session",
+                "security": client,
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": ref("Constraints")}},
+                },
+                "responses": {
+                    "201": json_content(obj, "the session binding"),
+                    **_errors(400, 401, 409, 413, 503),
+                },
+            }
         },
-        "paths": {
-            "/v1/completions": _inference("completions", ["model", "prompt"]),
-            "/v1/chat/completions": _inference("chat_completions", ["model", "messages"]),
-            "/inference/v1/generate": _inference("generate", ["token_ids"]),
-            "/v1/models": {
-                "get": {
-                    "operationId": "models",
-                    "security": client,
-                    "responses": {"200": _json(obj, "the served model"), **_errors(401)},
-                }
-            },
-            "/v1/rollouts": {
-                "post": {
-                    "operationId": "open_session",
-                    "security": client,
-                    "requestBody": {
-                        "required": False,
-                        "content": {"application/json": {"schema": _ref("Constraints")}},
-                    },
-                    "responses": {
-                        "201": _json(obj, "the session binding"),
-                        **_errors(400, 401, 409, 413, 503),
-                    },
-                }
-            },
-            "/v1/rollouts/{rollout_id}": {
-                "get": {
-                    "operationId": "get_rollout",
-                    "security": client,
-                    "parameters": [ID],
-                    "responses": {
-                        "200": _json(obj, "the provenance record"),
-                        **_errors(401, 404, 503),
-                    },
-                }
-            },
-            "/v1/rollouts/{rollout_id}/heartbeat": {
-                "post": {
-                    "operationId": "heartbeat",
-                    "security": client,
-                    "parameters": [ID],
-                    "responses": {
-                        "200": _json(obj, "lease extended"),
-                        **_errors(401, 404, 409, 503),
-                    },
-                }
-            },
-            "/v1/rollouts/{rollout_id}/close": {
-                "post": {
-                    "operationId": "close_session",
-                    "security": client,
-                    "parameters": [ID],
-                    "responses": {"200": _json(obj, "closed"), **_errors(401, 404, 409, 503)},
-                }
-            },
-            "/v1/pool": {
-                "get": {
-                    "operationId": "pool",
-                    "security": client,
-                    "responses": {
-                        "200": _json(obj, "replicas and the published generation"),
-                        **_errors(401, 503),
-                    },
-                }
-            },
-            "/healthz": {
-                "get": {
-                    "operationId": "healthz",
-                    "responses": {"200": _json(obj, "Redis reachable"), **_errors(503)},
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "operationId": "metrics",
-                    "responses": {
-                        "200": {
-                            "description": "Prometheus text",
-                            "content": {"text/plain": {"schema": {"type": "string"}}},
-                        }
-                    },
-                }
-            },
-            "/dashboard": {
-                "get": {
-                    "operationId": "dashboard",
-                    "security": client,
-                    "responses": {
-                        "200": {
-                            "description": "live HTML page",
-                            "content": {"text/html": {"schema": {"type": "string"}}},
-                        },
-                        **_errors(401),
-                    },
-                }
-            },
-            "/v1/admin/replicas/{replica_id}/taint": {
-                "post": {
-                    "operationId": "taint",
-                    "security": [{"bearer": []}],
-                    "parameters": [
-                        {
-                            "name": "replica_id",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "requestBody": {
+        "/v1/rollouts/{rollout_id}": {
+            "get": {
+                "operationId": "get_rollout",
+                "security": client,
+                "parameters": [ID],
+                "responses": {
+                    "200": json_content(obj, "the provenance record"),
+                    **_errors(401, 404, 503),
+                },
+            }
+        },
+        "/v1/rollouts/{rollout_id}/heartbeat": {
+            "post": {
+                "operationId": "heartbeat",
+                "security": client,
+                "parameters": [ID],
+                "responses": {
+                    "200": json_content(obj, "lease extended"),
+                    **_errors(401, 404, 409, 503),
+                },
+            }
+        },
+        "/v1/rollouts/{rollout_id}/close": {
+            "post": {
+                "operationId": "close_session",
+                "security": client,
+                "parameters": [ID],
+                "responses": {"200": json_content(obj, "closed"), **_errors(401, 404, 409, 503)},
+            }
+        },
+        "/dashboard": {
+            "get": {
+                "operationId": "dashboard",
+                "responses": {
+                    "200": {"description": "live HTML page", **html},
+                    "503": {"description": "store unavailable", **html},
+                },
+            }
+        },
+        "/v1/admin/replicas/{replica_id}/taint": {
+            "post": {
+                "operationId": "taint",
+                "security": ADMIN,
+                "parameters": [
+                    {
+                        "name": "replica_id",
+                        "in": "path",
                         "required": True,
-                        "content": {"application/json": {"schema": _ref("TaintRequest")}},
-                    },
-                    "responses": {
-                        "200": _json(obj, "tainted"),
-                        **_errors(400, 401, 403, 404, 413, 503),
-                    },
-                }
-            },
-            "/openapi.json": {
-                "get": {"operationId": "openapi", "responses": {"200": _json(obj, "this document")}}
-            },
+                        "schema": {"type": "string"},
+                    }
+                ],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": ref("TaintRequest")}},
+                },
+                "responses": {
+                    "200": json_content(obj, "tainted"),
+                    **_errors(400, 401, 403, 404, 413, 503),
+                },
+            }
         },
+        **kit.common_paths(pool_security=client, pool_errors=_errors(401, 503)),
     }
+    return kit.document(
+        title="RolloutPool router",
+        description="OpenAI-compatible rollouts bound to one policy generation.",
+        paths=paths,
+        schemas={
+            "Rollout": ROLLOUT,
+            "ReplicaError": REPLICA_ERROR,
+            **model_schemas(Constraints, TaintRequest),
+        },
+    )

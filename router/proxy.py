@@ -71,20 +71,11 @@ from aiohttp import web
 
 from pool.errors import StoreError
 from pool.types import BindingState, ReplicaRecord
+from pool.web import Conflict, RouteNotFound, dumps, json_response, read_json_object
 from router import sessions
 from router.admission import Constraints, affinity_key
 from router.bindings import DEFAULT_REASON, Outcome, Settled, Settlement, shielded
-from router.bodies import read_json_object
-from router.errors import (
-    BindingEnded,
-    Conflict,
-    RouteNotFound,
-    RouterError,
-    UpstreamError,
-    UpstreamTimeout,
-    dumps,
-    json_response,
-)
+from router.errors import BindingEnded, RouterError, UpstreamError, UpstreamTimeout
 from router.keys import ADMITTER, BINDINGS, CATALOG, HTTP, METRICS, SETTINGS, STORE, VIEW
 from router.provenance import (
     HEADER_ID,

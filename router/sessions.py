@@ -30,10 +30,9 @@ from aiohttp import web
 
 from pool.errors import NotFound, StoreError
 from pool.types import Binding, BindingState, ReplicaRecord, ReplicaState
+from pool.web import Conflict, RouteNotFound, json_response, read_json_object
 from router.admission import Constraints
 from router.bindings import Outcome, Settled, Settlement, shielded
-from router.bodies import read_json_object
-from router.errors import Conflict, RouteNotFound, json_response
 from router.keys import ADMITTER, BINDINGS, SETTINGS, STORE, VIEW
 from router.provenance import RolloutInfo, new_rollout_id
 

@@ -1,11 +1,7 @@
-"""Read-only status routes and the admin API.
+"""The router's own status routes and the admin API (``/v1/pool``, ``/healthz`` and
+``/metrics`` are the HTTP kit's, :mod:`pool.web.handlers`, shared with the updater).
 
 * ``GET /v1/models`` — the one model name clients use (``served_model_name``).
-* ``GET /v1/pool`` — every replica (state, generation, label, active bindings, url) and the
-  published generation, read from the store (not the cached view).
-* ``GET /healthz`` — 200 ``{"status": "ok"}`` if Redis answers PING, else 503 JSON.
-* ``GET /metrics`` — Prometheus text from the app's own registry; the pool gauges are refreshed
-  from the store on each scrape (skipped, not failed, while Redis is down).
 * ``GET /dashboard`` — a small self-refreshing HTML page of the same pool view (no URLs; public
   like ``/metrics``).
 * ``POST /v1/admin/replicas/{replica_id}/taint`` (admin token; body ``{"reason": "..."}``) —
@@ -19,14 +15,12 @@ import logging
 import time
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from pool.errors import StoreError
 from pool.records import ReplicaReport, UpdateRecord
-from router.bodies import read_json_object
-from router.errors import BadRequest, json_response
-from router.keys import METRICS, REGISTRY, SETTINGS, STORE, VIEW
+from pool.web import BadRequest, json_response, read_json_object
+from router.keys import SETTINGS, STORE, VIEW
 
 log = logging.getLogger("router")
 STARTED = int(time.time())
@@ -41,64 +35,6 @@ async def models(request: web.Request) -> web.Response:
                 {"id": name, "object": "model", "created": STARTED, "owned_by": "rolloutpool"}
             ],
         }
-    )
-
-
-async def pool(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    replicas = await store.replicas()
-    latest = await store.latest()
-    return json_response(
-        {
-            "latest": None
-            if latest is None
-            else {
-                "generation": latest[0].number,
-                "label": latest[0].label,
-                "identity_digest": latest[1],
-            },
-            "max_staleness": request.app[SETTINGS].max_staleness,
-            "replicas": [
-                {
-                    "replica_id": r.replica_id,
-                    "state": str(r.state),
-                    "generation": r.generation,
-                    "label": r.label,
-                    "identity_digest": r.identity_digest,
-                    "active": r.active,
-                    "capacity": r.capacity,
-                    "url": r.url,
-                    "reason": r.reason,
-                    "updated_ms": r.updated_ms,
-                }
-                for r in replicas
-            ],
-        }
-    )
-
-
-async def healthz(request: web.Request) -> web.Response:
-    try:
-        await request.app[STORE].ping()
-    except StoreError as e:
-        body = {
-            "status": "unavailable",
-            "error": {"code": "store_unavailable", "message": e.message},
-        }
-        return json_response(body, status=503)
-    return json_response({"status": "ok"})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    app = request.app
-    try:
-        replicas = await app[STORE].replicas()
-        latest = await app[STORE].latest()
-        app[METRICS].pool.observe(replicas, latest[0].number if latest else None)
-    except StoreError as e:
-        log.warning("metrics: pool gauges not refreshed: %s", e.message)
-    return web.Response(
-        body=generate_latest(app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
 
 

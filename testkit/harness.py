@@ -30,7 +30,8 @@ from pool.launcher import LocalReplica, ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Binding, BindingState, Generation, ReplicaState, WeightIdentity
-from router.app import create_app, start_server
+from pool.web import start_server
+from router.app import create_app
 from router.settings import RouterSettings
 from testkit.models import ensure_model
 

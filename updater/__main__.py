@@ -1,7 +1,9 @@
 """``python -m updater [--config pool.yaml]``: run the updater service.
 
 Settings come from the environment (``ROLLOUTPOOL_UPDATER_*``, ``ROLLOUTPOOL_REDIS_*``) and,
-optionally, a YAML file whose ``updater:`` and ``redis:`` sections hold the same fields.
+optionally, a YAML file whose ``updater:`` and ``redis:`` sections hold the same fields. On
+SIGINT/SIGTERM the app's cleanup stops the updater (and the replicas it launched), releases the
+lease and closes the store client.
 """
 
 from __future__ import annotations
@@ -12,14 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from aiohttp import web
-from prometheus_client import CollectorRegistry
 
-from pool.metrics import UpdaterMetrics
 from pool.settings import StoreSettings
-from pool.store import RedisStore
-from updater.app import create_app, start_updater
-from updater.service import Updater
+from pool.web import run
+from updater.app import create_app
 from updater.settings import UpdaterSettings
 
 
@@ -36,13 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings, store_settings = load(args.config)
-    registry = CollectorRegistry()
-    updater = Updater(
-        settings, RedisStore.connect(store_settings), metrics=UpdaterMetrics.create(registry)
-    )
-    app = create_app(updater, settings, registry)
-    start_updater(app)
-    web.run_app(app, host=settings.host, port=settings.port, print=None)
+    run(create_app(settings, store_settings), settings.host, settings.port)
 
 
 if __name__ == "__main__":

@@ -1,194 +1,173 @@
-"""The updater's HTTP API (aiohttp): the trainer pushes checkpoints here.
+"""The updater's HTTP API (aiohttp, on the HTTP kit :mod:`pool.web`): the trainer pushes
+checkpoints here.
 
 Routes (all JSON; errors are ``{"error": {"code", "message", ...}}``):
 
 * ``POST /v1/updates`` (admin) — :class:`~updater.service.UpdateRequest` → 202 with the update
-  record (id, generation, label, state ``queued``). A checkpoint that fails the read-only
-  preflight (missing path, wrong names/shapes/dtypes) → 422 ``preflight_failed``, nothing queued.
+  record (id, generation, label, state ``queued``). A body that fails validation (strictly
+  typed: ``"step": "5"`` or ``true`` is refused, not converted) → 422 ``invalid_body``; a
+  checkpoint that fails the read-only preflight (missing path, wrong names/shapes/dtypes) →
+  422 ``preflight_failed``, nothing queued.
 * ``GET /v1/updates/{id}`` (admin) — the record with each replica's outcome, phases and timings.
-* ``GET /v1/updates`` (admin) — the newest records, newest first (``?limit=``, max 1000).
-* ``GET /v1/pool`` — replicas, states, generations; ``GET /healthz``; ``GET /metrics``;
-  ``GET /openapi.json`` (:mod:`updater.openapi`).
+* ``GET /v1/updates`` (admin) — the newest records, newest first (``?limit=`` in [1, 1000],
+  default 100; outside → 400 ``invalid_query``).
+* ``GET /v1/pool`` (the same view as the router's: :class:`pool.web.PoolView`),
+  ``GET /healthz``, ``GET /metrics``, ``GET /openapi.json`` (:mod:`updater.openapi`).
 
-Admin routes need ``Authorization: Bearer <admin_token>`` (401 without, 403 with another
-token; tokens compared in constant time). With no admin token configured they answer 403.
+Every other path is admin (the kit's rules, shared with the router): no bearer header → 401,
+no admin token configured → 403 ``admin_disabled``, another token → 403.
+
+Two ways to build it:
+
+* :func:`create_app` ``(settings, store_settings)`` — the service (``python -m updater``). No
+  I/O until it starts; one cleanup context then connects the store client, constructs the
+  :class:`Updater` and starts it (blocking while another updater holds the lease), and on
+  teardown stops it (replicas it launched included, lease released) and closes the store
+  client. If starting fails, what was started is stopped and the client closed before the
+  error propagates.
+* :func:`create_api` ``(updater, settings)`` — only the API, around an updater the caller owns
+  (constructs, starts, stops, and whose store client it closes): tests and scenarios that
+  drive the updater directly.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from pool.errors import NotFound, PreflightFailed, RolloutPoolError, StoreUnavailable
 from pool.metrics import UpdaterMetrics
+from pool.settings import StoreSettings
+from pool.store import RedisStore
+from pool.web import (
+    POOL_GAUGES,
+    REGISTRY,
+    STORE,
+    AuthPolicy,
+    BadRequest,
+    Unprocessable,
+    auth_middleware,
+    error_middleware,
+    healthz_handler,
+    json_response,
+    metrics_handler,
+    openapi_handler,
+    pool_handler,
+    read_json_object,
+    validate_strictly,
+)
 from updater.api import UpdateRequest
-from updater.openapi import document
+from updater.openapi import MAX_LIST, document
 from updater.service import Updater
 from updater.settings import UpdaterSettings
 
 log = logging.getLogger("updater")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 UPDATER = web.AppKey("updater", Updater)
-REGISTRY = web.AppKey("registry", CollectorRegistry)
-METRICS = web.AppKey("metrics", UpdaterMetrics)
 PUBLIC = frozenset({"/healthz", "/metrics", "/v1/pool", "/openapi.json"})
 MAX_BODY = 1 << 20
 
 
-def _error(status: int, code: str, message: str, **ctx: Any) -> web.Response:
-    body = {"error": {"code": code, "message": message, **ctx}}
-    return web.json_response(body, status=status)
-
-
-@web.middleware
-async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def post_update(request: web.Request) -> web.Response:
+    body = await read_json_object(request, MAX_BODY)
     try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
-            e.status, "http_error"
-        )
-        return _error(e.status, code, e.reason)
+        req = validate_strictly(UpdateRequest, body)  # a JSON true is not step 1
     except ValidationError as e:
         details = [{"loc": list(x["loc"]), "msg": x["msg"]} for x in e.errors()]
-        return _error(422, "invalid_body", "request body failed validation", details=details)
-    except PreflightFailed as e:
-        return _error(
-            422,
-            "preflight_failed",
-            e.message,
-            **{k: v for k, v in e.context.items() if k != "diff"},
-        )
-    except NotFound as e:
-        return _error(404, "not_found", e.message)
-    except StoreUnavailable as e:
-        return _error(503, "store_unavailable", e.message)
-    except RolloutPoolError as e:
-        return _error(409, e.code, e.message)
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(500, "internal_error", "internal error (see the updater log)")
-
-
-def admin_auth(settings: UpdaterSettings) -> Any:
-    secret = settings.admin_token.get_secret_value().encode() if settings.admin_token else None
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PUBLIC:
-            return await handler(request)
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return _error(401, "unauthorized", "admin token required (Authorization: Bearer)")
-        if secret is None:
-            return _error(403, "admin_disabled", "no admin token is configured")
-        if not hmac.compare_digest(token.strip().encode(), secret):
-            return _error(403, "forbidden", "this token may not use the updater API")
-        return await handler(request)
-
-    return auth
-
-
-async def _json(request: web.Request) -> Any:
-    try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise web.HTTPBadRequest(reason=f"invalid JSON: {e}") from e
-
-
-async def post_update(request: web.Request) -> web.Response:
-    body = await _json(request)
-    if not isinstance(body, dict):
-        return _error(400, "invalid_body", "the body must be a JSON object")
-    req = UpdateRequest.model_validate(body)
-    rec = await request.app[UPDATER].submit(req)
-    return web.json_response(
+        raise Unprocessable(
+            "request body failed validation", code="invalid_body", details=details
+        ) from e
+    # a client that disconnects must not cut a submission in half (handler cancellation is on)
+    rec = await asyncio.shield(request.app[UPDATER].submit(req))
+    return json_response(
         rec.model_dump(mode="json"), status=202, headers={"Location": f"/v1/updates/{rec.id}"}
     )
 
 
 async def get_update(request: web.Request) -> web.Response:
     rec = await request.app[UPDATER].get(request.match_info["id"])
-    return web.json_response(rec.model_dump(mode="json"))
+    return json_response(rec.model_dump(mode="json"))
 
 
 async def list_updates(request: web.Request) -> web.Response:
+    raw = request.query.get("limit", "100")
     try:
-        limit = int(request.query.get("limit", "100"))
-    except ValueError:
-        return _error(400, "invalid_query", "limit must be an integer")
-    limit = max(1, min(limit, 1000))
+        limit = int(raw)
+    except ValueError as e:
+        raise BadRequest("limit must be an integer", code="invalid_query", limit=raw) from e
+    if not 1 <= limit <= MAX_LIST:
+        raise BadRequest(f"limit must be in [1, {MAX_LIST}]", code="invalid_query", limit=raw)
     recs = await request.app[UPDATER].list(limit)
-    return web.json_response({"updates": [r.model_dump(mode="json") for r in recs]})
+    return json_response({"updates": [r.model_dump(mode="json") for r in recs]})
 
 
-async def pool_view(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[UPDATER].pool_view())
+def _readiness(app: web.Application) -> tuple[bool, Mapping[str, Any]]:
+    up = app[UPDATER]
+    return up.ready.is_set() and not up.lost.is_set(), {"lease": not up.lost.is_set()}
 
 
-async def healthz(request: web.Request) -> web.Response:
-    up = request.app[UPDATER]
-    try:
-        await up.store.ping()
-    except StoreUnavailable as e:
-        return _error(503, "store_unavailable", e.message)
-    ok = up.ready.is_set() and not up.lost.is_set()
-    body = {"status": "ok" if ok else "starting", "lease": not up.lost.is_set()}
-    return web.json_response(body, status=200 if ok else 503)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    up, m = request.app[UPDATER], request.app[METRICS]
-    try:
-        latest = await up.store.latest()
-        m.pool.observe(await up.store.replicas(), None if latest is None else latest[0].number)
-    except StoreUnavailable:
-        pass
-    return web.Response(
-        body=generate_latest(request.app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
-
-
-async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(document())
-
-
-def create_app(
-    updater: Updater, settings: UpdaterSettings, registry: CollectorRegistry | None = None
+def _api(
+    settings: UpdaterSettings, metrics: UpdaterMetrics, registry: CollectorRegistry
 ) -> web.Application:
-    """The API around a constructed :class:`Updater`. The caller starts/stops the updater
-    (``cleanup_ctx`` does it when ``start_updater`` is used)."""
-    app = web.Application(middlewares=[errors, admin_auth(settings)], client_max_size=MAX_BODY)
-    reg = registry or CollectorRegistry()
-    app[UPDATER] = updater
-    app[REGISTRY] = reg
-    app[METRICS] = updater.metrics or UpdaterMetrics.create(reg)
+    """Routes and middlewares; ``UPDATER`` and ``STORE`` are set by the caller."""
+    policy = AuthPolicy(public=PUBLIC, admin_prefixes=("/",), admin_token=settings.admin_token)
+    app = web.Application(
+        middlewares=[error_middleware(log), auth_middleware(policy)], client_max_size=MAX_BODY
+    )
+    app[REGISTRY] = registry
+    app[POOL_GAUGES] = metrics.pool
     app.router.add_post("/v1/updates", post_update)
-    app.router.add_get("/v1/updates", list_updates)
-    app.router.add_get("/v1/updates/{id}", get_update)
-    app.router.add_get("/v1/pool", pool_view)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/v1/updates", list_updates, allow_head=False)
+    app.router.add_get("/v1/updates/{id}", get_update, allow_head=False)
+    app.router.add_get("/v1/pool", pool_handler(settings.max_staleness), allow_head=False)
+    app.router.add_get("/healthz", healthz_handler(_readiness), allow_head=False)
+    app.router.add_get("/metrics", metrics_handler(), allow_head=False)
+    app.router.add_get("/openapi.json", openapi_handler(document), allow_head=False)
     return app
 
 
-def start_updater(app: web.Application) -> None:
-    """Run the updater's start/stop with the app (``start`` blocks on the lease)."""
+def _updater_ctx(
+    settings: UpdaterSettings, store_settings: StoreSettings, metrics: UpdaterMetrics
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def updater_ctx(app: web.Application) -> AsyncIterator[None]:
+        store = RedisStore.connect(store_settings)
+        try:
+            updater = Updater(settings, store, metrics=metrics)
+            app[UPDATER], app[STORE] = updater, store
+            try:
+                await updater.start()
+                yield
+            finally:
+                await updater.stop()
+        finally:
+            await store.close()
 
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        await app[UPDATER].start()
-        yield
-        await app[UPDATER].stop()
+    return updater_ctx
 
-    app.cleanup_ctx.append(ctx)
+
+def create_app(
+    settings: UpdaterSettings,
+    store_settings: StoreSettings,
+    registry: CollectorRegistry | None = None,
+) -> web.Application:
+    """The updater service: the API plus the updater and its store client as a cleanup context
+    (see the module docstring). ``app[UPDATER]`` exists once the app has started."""
+    registry = registry or CollectorRegistry()
+    metrics = UpdaterMetrics.create(registry)
+    app = _api(settings, metrics, registry)
+    app.cleanup_ctx.append(_updater_ctx(settings, store_settings, metrics))
+    return app
+
+
+def create_api(
+    updater: Updater, settings: UpdaterSettings, registry: CollectorRegistry | None = None
+) -> web.Application:
+    """The API around an updater the caller starts, stops and closes the store of."""
+    registry = registry or CollectorRegistry()
+    app = _api(settings, updater.metrics or UpdaterMetrics.create(registry), registry)
+    app[UPDATER], app[STORE] = updater, updater.store
+    return app

@@ -452,14 +452,5 @@ class Updater:
                 self.metrics.taints.labels(m.id).inc()
         return report
 
-    # ------------------------------------------------------------------ views
-
-    async def pool_view(self) -> dict[str, Any]:
-        latest = await self.store.latest()
-        return {
-            "latest": None if latest is None else latest[0].model_dump(),
-            "replicas": [r.model_dump(mode="json") for r in await self.store.replicas()],
-        }
-
 
 __all__ = ["Updater"]

@@ -42,13 +42,13 @@ from pool.launcher import ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
-from router.app import start_server
+from pool.web import start_server
 from testkit.models import marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import NAMESPACE, PROBE_PROMPT, marker, push, start_router, wait_http
 from updater.api import ProbeSpec, UpdateRequest
-from updater.app import create_app
+from updater.app import create_api
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
@@ -100,7 +100,7 @@ async def start_env(workdir: Path) -> Env:
     )
     up = Updater(settings, store)
     await up.start()
-    runner, uport = await start_server(create_app(up, settings))
+    runner, uport = await start_server(create_api(up, settings))
     rport = free_port()
     router = start_router(
         rport,

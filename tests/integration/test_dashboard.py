@@ -15,7 +15,8 @@ from pool.records import UpdateRecord, UpdateState
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
-from router.app import create_app, start_server
+from pool.web import start_server
+from router.app import create_app
 from router.settings import RouterSettings
 
 pytestmark = pytest.mark.integration

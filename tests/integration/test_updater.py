@@ -22,7 +22,7 @@ from pool.store import RedisStore
 from pool.types import ReplicaState
 from testkit.models import ensure_model, marker_token
 from testkit.scenarios.reliability import watch_recovery
-from updater.app import create_app
+from updater.app import create_api
 from updater.client import UpdateFailed, UpdaterClient
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
@@ -73,7 +73,7 @@ async def env(redis_server, tmp_path_factory) -> AsyncIterator[Env]:  # type: ig
     store = RedisStore.connect(store_settings)
     updater = Updater(settings, store)
     await updater.start()
-    app = create_app(updater, settings)
+    app = create_api(updater, settings)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()

@@ -15,6 +15,7 @@ from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
+from pool.web import BadRequest
 from router.admission import (
     Admitter,
     Constraints,
@@ -26,7 +27,6 @@ from router.admission import (
     check_satisfiable,
 )
 from router.bindings import Bindings
-from router.errors import BadRequest
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
 
@@ -66,9 +66,23 @@ def test_constraints_from_headers_and_body() -> None:
         Constraints.from_headers({"X-Rollout-Generation": "latest"})
     with pytest.raises(BadRequest):
         Constraints.parse({"generation": 1, "extra": True}, "body")
-    with pytest.raises(BadRequest):
+    # header and body naming different exact generations: no generation satisfies both (409,
+    # documented; it was a 400 that a schema-valid request could not expect)
+    with pytest.raises(GenerationUnsatisfiable) as e:
         Constraints(generation=1).merge(Constraints(generation=2))
+    assert e.value.status == 409
     assert Constraints(min_generation=2).allows(3) and not Constraints(generation=2).allows(3)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"generation": False}, {"min_generation": True}, {"generation": "3"}, {"generation": 1.5}],
+)
+def test_constraints_in_a_body_are_strictly_typed(body: dict[str, object]) -> None:
+    # pins: {"generation": false} was taken as generation 0
+    with pytest.raises(BadRequest):
+        Constraints.parse(body, "body")
+    assert Constraints.parse({"generation": 2.0}, "body") == Constraints(generation=2)
 
 
 @pytest.mark.parametrize(

@@ -158,6 +158,14 @@ async def test_bad_bodies_are_400_and_oversized_413(store_settings: StoreSetting
             "/v1/completions", json=COMPLETION, headers={**AUTH, "X-Rollout-Min-Generation": "-1"}
         )
         assert r.status == 400
+        r = await c.post("/v1/rollouts", json={"generation": False}, headers=AUTH)
+        assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_constraints"
+        r = await c.post(
+            "/v1/completions",
+            json={**COMPLETION, "rollout": {"generation": 1}},
+            headers={**AUTH, "X-Rollout-Generation": "0"},
+        )
+        assert r.status == 409 and (await r.json())["error"]["code"] == "generation_unsatisfiable"
 
 
 async def test_unknown_model_is_404(store_settings: StoreSettings) -> None:

@@ -1,5 +1,5 @@
-"""The router's OpenAPI document matches its routes (its validity is exercised by the
-schemathesis fuzz run in tests/integration/test_reliability.py)."""
+"""The router's OpenAPI document matches its routes (the whole document against the running
+service: schemathesis in tests/integration/test_api_conformance.py)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,14 @@ def test_document_matches_routes() -> None:
     assert doc["openapi"] == "3.1.0"
     for ops in doc["paths"].values():  # every operation answers something documented
         assert all(op["responses"] for op in ops.values())
+
+
+def test_the_data_plane_security_follows_the_client_keys() -> None:
+    # pins: with keys configured, a request without one is 401, so the document must not
+    # promise anonymous access (and without keys it must not demand a token)
+    for keys, security in [(True, [{"bearer": []}]), (False, [])]:
+        doc = document(client_keys=keys)
+        for path in ("/v1/completions", "/v1/rollouts", "/v1/pool"):
+            assert next(iter(doc["paths"][path].values()))["security"] == security
+        taint = doc["paths"]["/v1/admin/replicas/{replica_id}/taint"]["post"]
+        assert taint["security"] == [{"bearer": []}]

@@ -21,11 +21,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from jsonschema import Draft202012Validator
 
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, ReplicaState
 from router.app import create_app
+from router.openapi import document
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client, settled
 from testkit.redis_server import RedisServer
@@ -187,6 +189,14 @@ async def sse(resp: Any) -> list[Any]:
     return events
 
 
+def conforms(path: str, status: int, body: Any) -> bool:
+    """Whether ``body`` is what the router's document declares for ``POST path``, ``status``."""
+    doc = document()
+    media = doc["paths"][path]["post"]["responses"][str(status)]["content"]["application/json"]
+    schema = {**media["schema"], "components": doc["components"]}
+    return not list(Draft202012Validator(schema).iter_errors(body))
+
+
 async def no_leaks(store: RedisStore) -> None:
     assert [r.active for r in await store.replicas()] == [0]
     assert await store.leased_rollouts() == 0
@@ -337,6 +347,8 @@ async def test_upstream_errors_abort_the_binding(
         body = await r.json()
         assert body["error"]["message"] == "bad things"  # the replica's own body, passed through
         assert body["rollout"]["id"] == r.headers["X-Rollout-Id"]
+        # ... and it is what the document declares (vLLM's error.code is an integer)
+        assert conforms("/v1/completions", 400, body)
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (BindingState.ABORTED, "upstream 4xx: HTTP 400")
 
