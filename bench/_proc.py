@@ -1,11 +1,13 @@
 """CPU accounting from ``/proc`` for benchmarks that share a small machine.
 
-* :func:`tree_cpu_s` — user+system CPU seconds of a process and all its live descendants (all
-  threads; ``/proc/<pid>/stat`` fields 14 and 15). A descendant that exited during a window
+* :func:`tree_sched` — CPU seconds on a core and seconds spent runnable but *waiting* for one
+  (on a run queue), summed over every thread of a process and all its live descendants
+  (``/proc/<pid>/task/<tid>/schedstat``, nanoseconds). A thread that exited during a window
   takes its time with it, so measure long-lived process trees.
 * :class:`CpuMeter` — snapshots of named process trees plus the machine (``/proc/stat``) and
   CPU pressure (``/proc/pressure/cpu``, "some": time in which at least one runnable task waited
-  for a core); :meth:`CpuMeter.window` turns two snapshots into cores used per name.
+  for a core); :meth:`CpuMeter.window` turns two snapshots into cores used and run-queue wait
+  per name.
 * :func:`all_processes` / :func:`others` — every process's CPU time, to say what *else* ran on
   the machine during a benchmark.
 """
@@ -31,15 +33,6 @@ def _stat_fields(pid: int) -> list[str] | None:
     return [head.split("(", 1)[1], *rest.split()]
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), 0 if it is gone."""
-    f = _stat_fields(pid)
-    if f is None:
-        return 0.0
-    # after comm: f[1] = state (field 3), so field n is f[n - 2]
-    return (int(f[12]) + int(f[13])) / CLK_TCK
-
-
 def descendants(pid: int) -> list[int]:
     """``pid`` and every live descendant."""
     out, todo = [], [pid]
@@ -58,8 +51,27 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_s(pid: int) -> float:
-    return sum(cpu_s(p) for p in descendants(pid))
+def sched(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting on a run queue) of all threads of ``pid``."""
+    on = wait = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for t in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{t}/schedstat").read_text().split()
+        except OSError:
+            continue
+        on += int(fields[0])
+        wait += int(fields[1])
+    return on / 1e9, wait / 1e9
+
+
+def tree_sched(pid: int, alone: bool = False) -> tuple[float, float]:
+    """:func:`sched` summed over ``pid`` and (unless ``alone``) its live descendants."""
+    pairs = [sched(p) for p in ([pid] if alone else descendants(pid))]
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
 def machine_busy_s() -> float:
@@ -81,7 +93,7 @@ def cpu_pressure_us() -> int | None:
 @dataclass
 class Snapshot:
     t: float
-    trees: dict[str, float]
+    trees: dict[str, tuple[float, float]]
     busy_s: float
     pressure_us: int | None
 
@@ -98,23 +110,23 @@ class CpuMeter:
     def snap(self) -> Snapshot:
         return Snapshot(
             time.monotonic(),
-            {
-                name: cpu_s(pid) if name in self.alone else tree_cpu_s(pid)
-                for name, pid in self.pids.items()
-            },
+            {name: tree_sched(pid, name in self.alone) for name, pid in self.pids.items()},
             machine_busy_s(),
             cpu_pressure_us(),
         )
 
     @staticmethod
     def window(a: Snapshot, b: Snapshot) -> dict[str, Any]:
-        """CPU seconds and cores used per name between two snapshots, and the machine's."""
+        """CPU seconds, cores and run-queue wait per name between two snapshots (a name
+        missing from ``a`` counts from zero), and the machine's busy cores and CPU pressure."""
         wall = b.t - a.t
-        cpu = {n: round(b.trees[n] - a.trees.get(n, 0.0), 3) for n in b.trees}
+        cpu = {n: round(v[0] - a.trees.get(n, (0.0, 0.0))[0], 4) for n, v in b.trees.items()}
+        wait = {n: round(v[1] - a.trees.get(n, (0.0, 0.0))[1], 4) for n, v in b.trees.items()}
         out: dict[str, Any] = {
             "wall_s": round(wall, 3),
             "cpu_s": cpu,
             "cores": {n: round(v / wall, 3) for n, v in cpu.items()},
+            "runqueue_wait_s": wait,
             "machine_busy_cores": round((b.busy_s - a.busy_s) / wall, 3),
         }
         if a.pressure_us is not None and b.pressure_us is not None:
