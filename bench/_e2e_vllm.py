@@ -11,7 +11,8 @@ repeated for ``rounds`` (the box is shared and vLLM's timing on it drifts):
 1. ``direct_1_replica`` — straight to replica 0 (replica 1 idle);
 2. ``rolloutpool_2_replicas`` — ``python -m router`` with both replicas;
 3. ``vllm_router_2_replicas`` — ``vllm-router --policy round_robin`` with both replicas;
-4. ``rolloutpool_1_replica`` — a second router (own namespace) that only knows replica 0.
+4. ``rolloutpool_1_replica`` — a second router (own namespace) that only knows replica 0;
+5. ``vllm_router_1_replica`` — a second vllm-router in front of replica 0 only.
 
 The client marks the start and end of its measured part on stdout (a wrapper around
 ``vllm.benchmarks.serve.benchmark``), and at those marks :class:`bench._proc.CpuMeter` reads, for
@@ -142,6 +143,7 @@ KINDS = (
     "rolloutpool_2_replicas",
     "vllm_router_2_replicas",
     "rolloutpool_1_replica",
+    "vllm_router_1_replica",
 )
 
 
@@ -186,7 +188,7 @@ def explain(phases: dict[str, dict[str, Any]], router_of: dict[str, str]) -> dic
     """The gap between the phases, in numbers: per run, and the mean per kind over rounds."""
     rows = {name: _row(p, router_of.get(name.split("#")[0])) for name, p in phases.items()}
     m = {k: _mean([r for name, r in rows.items() if name.split("#")[0] == k]) for k in KINDS}
-    d, r2, p2, r1 = (m[k] for k in KINDS)
+    d, r2, p2, r1, p1 = (m[k] for k in KINDS)
 
     def ratio(a: dict[str, float], b: dict[str, float]) -> float:
         return round(a["requests_per_s"] / b["requests_per_s"], 3)
@@ -211,8 +213,16 @@ def explain(phases: dict[str, dict[str, Any]], router_of: dict[str, str]) -> dic
         f"with the same 2 replicas: {p2['requests_per_s']:.1f} req/s ({ratio(p2, d):.2f}x), "
         f"{p2['router_cpu_ms_per_request']:.2f} ms CPU and "
         f"{p2['router_runqueue_wait_ms_per_request']:.1f} ms run-queue wait per request. "
-        f"RolloutPool with only replica 0 behind it: {r1['requests_per_s']:.1f} req/s "
-        f"({ratio(r1, d):.2f}x direct to that same replica)."
+        f"One replica (replica 0) behind each router, the same hop: RolloutPool "
+        f"{r1['requests_per_s']:.1f} req/s ({ratio(r1, d):.2f}x direct to that replica, "
+        f"{r1['router_cpu_ms_per_request']:.2f} ms CPU, "
+        f"{r1['router_runqueue_wait_ms_per_request']:.1f} ms waiting per request), vllm-router "
+        f"{p1['requests_per_s']:.1f} req/s ({ratio(p1, d):.2f}x, "
+        f"{p1['router_cpu_ms_per_request']:.2f} ms CPU, "
+        f"{p1['router_runqueue_wait_ms_per_request']:.1f} ms waiting): RolloutPool / vllm-router "
+        f"= {ratio(r1, p1):.2f} is what is ours (a Python hop with ADMIT and RELEASE in Redis "
+        f"vs a Rust hop); the rest of the gap to direct is any proxy hop and the second "
+        f"replica on 2 saturated cores."
     )
     return {
         "per_run": rows,
@@ -222,6 +232,8 @@ def explain(phases: dict[str, dict[str, Any]], router_of: dict[str, str]) -> dic
             "vllm_router_2_replicas_vs_direct": ratio(p2, d),
             "rolloutpool_1_replica_vs_direct": ratio(r1, d),
             "rolloutpool_vs_vllm_router_2_replicas": ratio(r2, p2),
+            "vllm_router_1_replica_vs_direct": ratio(p1, d),
+            "rolloutpool_vs_vllm_router_1_replica": ratio(r1, p1),
         },
         "router_own_cost": {
             "router_cpu_ms_per_request": r2["router_cpu_ms_per_request"],
@@ -258,7 +270,8 @@ async def run(
             rp2 = await start_router(work, redis.url, "two")
             rp1 = await start_router(work, redis.url, "one")
             peer = await start_peer(work, tools, urls, "vllm-router-e2e")
-            servers += [rp2, rp1, peer]
+            peer1 = await start_peer(work, tools, urls[:1], "vllm-router-e2e-1")
+            servers += [rp2, rp1, peer, peer1]
             pids = [r.pid for r in replicas]
             assert redis.proc is not None and pids[0] is not None and pids[1] is not None
             meter = CpuMeter(
@@ -269,6 +282,7 @@ async def run(
                     "rolloutpool_2": rp2.pid,
                     "rolloutpool_1": rp1.pid,
                     "vllm_router": peer.pid,
+                    "vllm_router_1": peer1.pid,
                 }
             )
             plan = {
@@ -276,6 +290,7 @@ async def run(
                 "rolloutpool_2_replicas": (rp2.url, "rolloutpool_2"),
                 "vllm_router_2_replicas": (peer.url, "vllm_router"),
                 "rolloutpool_1_replica": (rp1.url, "rolloutpool_1"),
+                "vllm_router_1_replica": (peer1.url, "vllm_router_1"),
             }
             router_of = {k: r for k, (_, r) in plan.items() if r is not None}
             phases = {}

@@ -7,7 +7,7 @@
 * :class:`CpuMeter` — snapshots of named process trees plus the machine (``/proc/stat``) and
   CPU pressure (``/proc/pressure/cpu``, "some": time in which at least one runnable task waited
   for a core); :meth:`CpuMeter.window` turns two snapshots into cores used and run-queue wait
-  per name.
+  per name, and the cores used by everything else (``other_cores``).
 * :func:`all_processes` / :func:`others` — every process's CPU time, to say what *else* ran on
   the machine during a benchmark.
 """
@@ -129,6 +129,9 @@ class CpuMeter:
             "runqueue_wait_s": wait,
             "machine_busy_cores": round((b.busy_s - a.busy_s) / wall, 3),
         }
+        out["other_cores"] = round(
+            max(0.0, out["machine_busy_cores"] - sum(out["cores"].values())), 3
+        )
         if a.pressure_us is not None and b.pressure_us is not None:
             out["cpu_pressure_some_share"] = round((b.pressure_us - a.pressure_us) / 1e6 / wall, 3)
         return out

@@ -1,15 +1,17 @@
 """Where RolloutPool's router spends its CPU per request: py-spy on the running router.
 
 :func:`profile` loads the router alone (non-streamed requests to the stub upstream, closed loop
-at ``concurrency``) while ``py-spy record --format raw --nonblocking`` samples it (on-CPU
-samples only: py-spy leaves out idle threads, so a sample is CPU time). Each sample is
-attributed twice:
+at ``concurrency``) while ``py-spy record --format raw`` samples it (it pauses the router for
+each sample, so stacks are whole; ``--nonblocking`` left a quarter of them without their root).
+Only on-CPU samples count (py-spy leaves out idle threads), so a sample is CPU time. Each sample
+is attributed twice:
 
 * a **phase**: the innermost frame of the stack that names a step of the request path
   (:data:`PHASES`: the ADMIT round trip, RELEASE, the body, the upstream call, ...); samples
-  under no such frame are aiohttp's server machinery or the bare event loop;
-* a **mechanism**: the library of the innermost frame (redis-py, json, aiohttp client/server,
-  asyncio, prometheus_client, logging, uuid, the router's own lines, ...).
+  under no such frame are Redis commands in redis-py's own tasks, aiohttp's server machinery
+  or the bare event loop;
+* a **mechanism**: the library of the innermost frame that is not event-loop plumbing
+  (redis-py, json, aiohttp client/server, prometheus_client, uuid, the router's own lines, ...).
 
 Shares times the router's CPU per request (``/proc``, same window) give microseconds per
 request. py-spy samples Python frames only: time in C extensions (aiohttp's HTTP parser, the
@@ -65,6 +67,7 @@ REDIS_TASK = (
     "Redis commands in redis-py's own tasks (asyncio.wait_for on 3.11 runs the send in a new "
     "task: ADMIT, RELEASE, view refresh, renewer; which one is not on the stack)"
 )
+PARTIAL = "stack without its root (py-spy could not unwind it whole): unattributed"
 LOOP = "asyncio event loop (scheduling, epoll)"
 PLUMBING = (
     "asyncio/",
@@ -112,6 +115,8 @@ def _phase(frames: list[tuple[str, str]]) -> str:
             return PHASES[func]
     if any(file.startswith("redis/") for _, file in frames):
         return REDIS_TASK
+    if not frames[0][1].startswith("<frozen runpy>"):
+        return PARTIAL
     return OUTSIDE
 
 
@@ -204,7 +209,6 @@ async def profile(
         "--rate", "250",
         "--duration", str(round(duration_s + 2)),
         "--format", "raw",
-        "--nonblocking",
         "-o", str(out_file),
         stdout=log,
         stderr=log,
@@ -217,7 +221,7 @@ async def profile(
     cpu_ms = w["cpu_s"]["rolloutpool"] / requests * 1000
     raw = await asyncio.to_thread(out_file.read_text) if out_file.exists() else ""
     return {
-        "how": f"py-spy record --rate 250 --nonblocking --format raw on python -m router while "
+        "how": f"py-spy record --rate 250 --format raw on python -m router while "
         f"its only load was {concurrency} concurrent non-streamed requests to the stub "
         f"(closed loop, {duration_s:g} s); on-CPU samples only. Attribution: phase = innermost "
         "frame that names a request step (bench/_router_profile.py PHASES); mechanism = "

@@ -551,7 +551,7 @@ def assemble(
             "stream_requests_per_path": args.stream_requests // 3,
             "alone_seconds_per_path": args.alone,
         },
-        "machine": machine,
+        "box": machine,
         "setup": "2-core box, everything local: instant aiohttp stub upstream (testkit."
         "stub_upstream, uvloop), redis-server (AOF everysec), python -m router (1 process), "
         f"vllm-router {PEER_VERSION} (--policy round_robin, its own venv), and this client. "
