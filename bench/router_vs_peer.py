@@ -428,7 +428,8 @@ async def stub_phases(args: argparse.Namespace, work: Path, tools: Path) -> dict
                     }
                 if not args.skip_profile:
                     target = plain["rolloutpool"]
-                    out["profile"] = await _router_profile.profile(
+                    bare = await alone(s, target, meter, 16, 5.0)  # the same load, no profiler
+                    prof = await _router_profile.profile(
                         lambda: closed_loop(lambda: one(s, target, False, None), 16, 10.0),
                         rp.pid,
                         tools.parent / "py-spy",
@@ -437,6 +438,14 @@ async def stub_phases(args: argparse.Namespace, work: Path, tools: Path) -> dict
                         concurrency=16,
                         duration_s=10.0,
                     )
+                    prof["without_profiler"] = {
+                        "requests_per_s": bare["requests_per_s"],
+                        "router_cpu_ms_per_request": bare["cpu_s_per_1000_requests"],
+                        "note": "the same load for 5 s just before, not sampled: py-spy pauses "
+                        "the router for each sample, which costs throughput and some CPU; the "
+                        "shares are what matter",
+                    }
+                    out["profile"] = prof
         finally:
             for srv in servers:
                 await srv.stop()
