@@ -156,6 +156,7 @@ async def start_peer(work: Path, python: Path, upstreams: list[str], name: str) 
         "--port", str(port),
         "--policy", "round_robin",
         "--log-level", "warning",
+        "--prometheus-port", str(free_port()),  # its default is fixed: one per instance
         "--worker-urls", *upstreams,
     ]  # fmt: skip
     proc = await spawn(work, name, argv, dict(os.environ))
