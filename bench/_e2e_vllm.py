@@ -268,10 +268,13 @@ async def run(
                 await publish_ready(store, pairs, capacity=64)
                 await store.close()
             rp2 = await start_router(work, redis.url, "two")
+            servers.append(rp2)
             rp1 = await start_router(work, redis.url, "one")
+            servers.append(rp1)
             peer = await start_peer(work, tools, urls, "vllm-router-e2e")
+            servers.append(peer)
             peer1 = await start_peer(work, tools, urls[:1], "vllm-router-e2e-1")
-            servers += [rp2, rp1, peer, peer1]
+            servers.append(peer1)
             pids = [r.pid for r in replicas]
             assert redis.proc is not None and pids[0] is not None and pids[1] is not None
             meter = CpuMeter(

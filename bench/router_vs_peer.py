@@ -107,7 +107,8 @@ class Server:
 
 
 async def wait_ready(url: str, proc: asyncio.subprocess.Process, timeout_s: float = 120) -> None:
-    """Until ``GET url`` answers 200 (the process must stay alive)."""
+    """Until ``GET url`` answers 200 (the process must stay alive); on failure the process is
+    killed before this raises, so nothing outlives a failed start."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline and proc.returncode is None:
@@ -118,6 +119,9 @@ async def wait_ready(url: str, proc: asyncio.subprocess.Process, timeout_s: floa
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.2)
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
     raise RuntimeError(f"{url} did not become ready (exit code {proc.returncode})")
 
 
