@@ -52,6 +52,7 @@ from testkit.harness import (
     tiny_model,
 )
 from testkit.redis_server import RedisServer
+from testkit.stub_upstream import STUB_MODEL, StubUpstream, completion_body
 
 PROMPT = "the quick brown fox"
 
@@ -190,54 +191,11 @@ ANALYSIS = (
     "the router and Redis at nice -10 nor pausing 20 ms between requests removes it. A router "
     "on its own core(s), as deployed, is not subject to this."
 )
-STUB_MODEL = "/stub/model"
-STUB_BODY = {
-    "id": "cmpl-stub",
-    "object": "text_completion",
-    "created": 0,
-    "model": STUB_MODEL,
-    "choices": [
-        {
-            "index": 0,
-            "text": " jumps",
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": None,
-            "prompt_token_ids": None,
-        }
-    ],
-    "system_fingerprint": "stub",
-    "usage": {"prompt_tokens": 5, "total_tokens": 6, "completion_tokens": 1},
-}
-
-
-def stub_server(port: int) -> None:
-    """An instant vLLM stand-in (``--stub-server PORT``): isolates the router's own cost."""
-    from aiohttp import web
-
-    body = json.dumps(STUB_BODY).encode()
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": STUB_MODEL}]})
-
-    async def version(request: web.Request) -> web.Response:
-        return web.json_response({"version": "0.32.0"})
-
-    async def completions(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=body, content_type="application/json")
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/version", version)
-    app.router.add_post("/v1/completions", completions)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def json_cost_us(n: int = 2000) -> float:
     """Microseconds to parse the stub body, add a ``rollout`` object and serialize it again."""
-    raw = json.dumps(STUB_BODY).encode()
+    raw = completion_body(1)
     t0 = time.perf_counter()
     for _ in range(n):
         data = json.loads(raw)
@@ -286,6 +244,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     redis = RedisServer(work / "redis").start()
     replicas = []
     procs: list[Any] = []
+    upstream: StubUpstream | None = None
     runs: list[dict[str, Any]] = []
     load_at_start = os.getloadavg()[0]
     try:
@@ -319,16 +278,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await store.close()
         await stop_replicas(replicas)  # phase 2 runs without vLLM on the cores
 
-        stub_port = free_port()
-        procs.append(
-            await spawn(
-                work,
-                "stub",
-                [sys.executable, "-m", "bench.router_overhead", "--stub-server", str(stub_port)],
-                dict(os.environ),
-            )
-        )
-        stub_url = f"http://127.0.0.1:{stub_port}"
+        upstream = await asyncio.to_thread(StubUpstream().start)
+        stub_url = upstream.url
         store = RedisStore.connect(StoreSettings(url=redis.url, namespace="stub"))
         await publish_ready(store, [("stub", stub_url)], capacity=100_000)
         await store.close()
@@ -339,6 +290,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for p in procs:
             await stop(p)
+        if upstream is not None:
+            await asyncio.to_thread(upstream.stop)
         await stop_replicas(replicas)
         redis.stop()
 
@@ -411,11 +364,7 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="extra environment of the vLLM replicas (e.g. OMP_WAIT_POLICY=PASSIVE)",
     )
-    ap.add_argument("--stub-server", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.stub_server:
-        stub_server(args.stub_server)
-        return
     result = asyncio.run(main_async(args))
     print(
         f"direct p50 {result['direct']['p50_ms']} ms p99 {result['direct']['p99_ms']} ms | "
