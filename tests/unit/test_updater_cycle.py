@@ -13,6 +13,7 @@ import pytest
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
 from pool.errors import StaleFencingToken
+from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState, WeightIdentity
@@ -60,7 +61,9 @@ async def test_no_engine_call_once_the_lease_may_have_lapsed(store: RedisStore) 
     calls: list[str] = []
     engine = recording_engine(calls)
     await engine.bootstrap()
-    handle = ReplicaHandle("r0", engine, manifest, Lifecycle(S.READY, G0, "id0", process="p"))
+    handle = ReplicaHandle(
+        "r0", engine, manifest, Lifecycle(S.READY, G0, "id0", process=ProcessIdentity("p"))
+    )
     runner = CycleRunner(store, lease, ReloadTransport(), drain_timeout_s=30.0)
     ident = WeightIdentity(manifest_digest=manifest.digest, checkpoint_uri=str(model))
     await store.admit("ro-held", "r0")
