@@ -5,9 +5,12 @@ tests/unit/test_providers_kubernetes.py against a fake API server)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,8 @@ from pydantic import ValidationError
 from pool.launcher import ReplicaSpec
 from updater.providers import registry
 from updater.providers.external import ExternalProvider
-from updater.providers.local import LocalProvider, process_start_ticks
+from updater.providers.leash import attach, start_ticks
+from updater.providers.local import LocalProvider
 from updater.settings import ReplicaConfig, UpdaterSettings
 
 MODEL = Path("/models/m")
@@ -102,9 +106,81 @@ def test_local_incarnation_is_the_pid_with_its_start_time() -> None:
     assert p.url("a").startswith("http://127.0.0.1:")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        started = process_start_ticks(child.pid)
-        assert started is not None and started >= process_start_ticks(os.getpid())  # type: ignore[operator]
+        started = start_ticks(child.pid)
+        assert started is not None and started >= start_ticks(os.getpid())  # type: ignore[operator]
     finally:
         child.kill()
         child.wait()
-    assert process_start_ticks(child.pid) is None  # reaped: gone
+    assert start_ticks(child.pid) is None  # reaped: gone
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if start_ticks(pid) is None or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_leash_kills_the_whole_group_once_its_owner_dies() -> None:
+    """Found in the Ray provider's test: when Ray killed a replica's actor, it killed the actor's
+    direct child (the vLLM API server) but left its EngineCore and worker running with no owner.
+    A detached leash SIGKILLs the server's whole process group once the owner is gone."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a group like vLLM's: a leader and a grandchild; the leader dies first, as Ray kills it
+    group = subprocess.Popen(
+        [sys.executable, "-c", GROUP], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert group.stdout is not None
+    grandchild = int(group.stdout.readline())
+    leash = attach(group.pid, owner=owner.pid, every_s=0.05)
+    try:
+        assert os.getppid() != leash.pid and start_ticks(leash.pid) is not None
+        group.kill()  # the direct child goes first; the grandchild stays (as EngineCore did)
+        group.wait()
+        assert not _gone(grandchild, 0.3)
+        owner.kill()
+        owner.wait()
+        assert _gone(grandchild, 5.0)  # the leash saw its owner go and killed the group
+        assert _gone(leash.pid, 5.0)  # and then ended itself
+    finally:
+        for p in (owner, group):
+            p.kill()
+            p.wait()
+        leash.cut()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group.pid, signal.SIGKILL)
+
+
+GROUP = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_replicas_of_one_host_claim_distinct_core_sets(tmp_path: Path) -> None:
+    """Found in the Ray provider's test: a replica moved to a node that already ran one was bound
+    to the same core and its start made no progress (vLLM's CPU worker spins on its cores). Each
+    actor claims a free core set of its node; a set is freed when its holder dies."""
+    ray_actor = pytest.importorskip("updater.providers.ray_actor")
+    claim = (
+        "import sys, time; from updater.providers.ray_actor import claim_cores; "
+        "print(claim_cores(sys.argv[1])[0], flush=True); time.sleep(60)"
+    )
+    choices = f"{tmp_path.name}-a;{tmp_path.name}-b"  # names only: no core is bound here
+    first = subprocess.Popen([sys.executable, "-c", claim, choices], stdout=subprocess.PIPE)
+    try:
+        assert first.stdout is not None and first.stdout.readline().decode().strip().endswith("-a")
+        cores, fd = ray_actor.claim_cores(choices)
+        assert cores.endswith("-b") and fd is not None
+        assert ray_actor.claim_cores(choices) == (f"{tmp_path.name}-a", None)  # all held: share
+        os.close(fd)
+    finally:
+        first.kill()
+        first.wait()
+    cores, fd = ray_actor.claim_cores(choices)  # the dead holder's set is free again
+    assert cores.endswith("-a") and fd is not None
+    os.close(fd)

@@ -57,7 +57,8 @@ class RayConfig(BaseModel):
     the updater with its replicas kills them. ``placement_timeout_s``: an actor that is not
     placed by then (no node has the resources) is killed and the start fails (PlacementError).
     ``cpu_bind_env``: a variable that, set in a node's ``ray start`` environment, replaces
-    ``launch.cpu_bind`` for replicas placed on that node (CPU replicas pin their cores per node).
+    ``launch.cpu_bind`` for CPU replicas placed on that node: ``;``-separated core sets, one per
+    replica the node can host (``"0-3;4-7"``); each replica's actor claims a free one.
     """
 
     model_config = ConfigDict(extra="forbid")

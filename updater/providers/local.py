@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import signal
 import socket
-from pathlib import Path
 from typing import Self
 
 from pool.launcher import LaunchError, LocalReplica
 from updater.providers.base import Location, ProviderError, ReplicaProvider
+from updater.providers.leash import start_ticks
 from updater.settings import ReplicaConfig, UpdaterSettings
 
-__all__ = ["LocalProvider", "process_start_ticks"]
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22);
-    None if it is gone or there is no ``/proc``."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(raw[raw.rindex(")") + 2 :].split()[19])
+__all__ = ["LocalProvider"]
 
 
 class LocalProvider(ReplicaProvider):
@@ -86,7 +76,7 @@ class LocalProvider(ReplicaProvider):
 
     async def incarnation(self, replica_id: str) -> str | None:
         pid = self._launchers[replica_id].pid
-        started = process_start_ticks(pid) if pid is not None else None
+        started = start_ticks(pid) if pid is not None else None
         return None if started is None else f"pid:{pid}@{started}"
 
     async def alive(self, replica_id: str) -> bool:
