@@ -536,6 +536,50 @@ def test_k8s_router_and_updater(k8s: list[dict[str, Any]]) -> None:
     k8s_obj(k8s, "Service", "updater")
 
 
+def test_k8s_rbac_lets_the_updater_restart_the_replica_pods_only(
+    k8s: list[dict[str, Any]], clean_env: pytest.MonkeyPatch
+) -> None:
+    """The kubernetes replica provider deletes a TAINTED replica's pod and reads it until the
+    StatefulSet's successor is Ready: get + delete on those pods by name, nothing else; the
+    updater (and only it among the pool's workloads without an RBAC role of their own) mounts a
+    service account token. tests/unit/test_providers_kubernetes.py runs the provider against a
+    fake API server that enforces this very Role."""
+    role = k8s_obj(k8s, "Role", "updater-replica-pods")
+    binding = k8s_obj(k8s, "RoleBinding", "updater-replica-pods")
+    k8s_obj(k8s, "ServiceAccount", "updater")
+    sts = k8s_obj(k8s, "StatefulSet", "replica")
+    pods = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["pods"],
+            "resourceNames": pods,
+            "verbs": ["get", "delete"],
+        }
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "updater", "namespace": NAMESPACE}
+    ]
+    settings = UpdaterSettings(**_updater_configs(k8s)["k8s"]["updater"])
+    assert settings.provider == "kubernetes"
+    assert sorted(r.pod or r.id for r in settings.replicas) == pods
+    updater = k8s_obj(k8s, "Deployment", "updater")["spec"]["template"]["spec"]
+    assert updater["serviceAccountName"] == "updater"
+    assert updater["automountServiceAccountToken"] is True
+    for kind, name in [
+        ("Deployment", "router"),
+        ("StatefulSet", "replica"),
+        ("StatefulSet", "redis"),
+    ]:
+        spec = k8s_obj(k8s, kind, name)["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False, name
+
+
 def test_k8s_redis_uses_aof(k8s: list[dict[str, Any]]) -> None:
     conf = k8s_obj(k8s, "ConfigMap", "redis-config")["data"]["redis.conf"]
     assert re.search(r"^appendonly yes$", conf, re.M)
