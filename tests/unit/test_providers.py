@@ -184,3 +184,12 @@ def test_replicas_of_one_host_claim_distinct_core_sets(tmp_path: Path) -> None:
     cores, fd = ray_actor.claim_cores(choices)  # the dead holder's set is free again
     assert cores.endswith("-a") and fd is not None
     os.close(fd)
+
+
+def test_rolloutpool_up_takes_a_launching_provider() -> None:
+    from rolloutpool.cli import _config
+
+    config = _config(None, provider="ray", ray_address="head:6379")
+    assert (config.provider, config.ray.address) == ("ray", "head:6379")
+    with pytest.raises(ValidationError, match="python -m updater --config"):
+        _config(None, provider="kubernetes")  # its replicas are not started by `up`
