@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from pool.metrics import RouterMetrics, UpdaterMetrics
 from pool.settings import StoreSettings
+from router.settings import RouterSettings
 from updater.cycle import Deadlines
 from updater.settings import ReplicaConfig, UpdaterSettings
 
@@ -744,3 +745,27 @@ def test_grafana_provisioning_matches_compose(compose: dict[str, Any]) -> None:
     assert targets["/etc/grafana/provisioning"] == "./grafana/provisioning"
     dash = provider["options"]["path"] + "/rolloutpool.json"
     assert targets[dash] == "./grafana/rolloutpool.json"
+
+
+# ------------------------------------------------------------------------------------ ray
+
+
+def test_ray_job_config_validates_and_places_gpu_replicas_as_actors(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """deploy/ray/pool.yaml is what deploy/ray/pool_job.py reads: the updater's, Redis' and the
+    router's settings, the replicas as Ray actors that each reserve a GPU and run vLLM's GPU
+    flavour with the NCCL weight-transfer backend."""
+    (doc,) = load_yaml(DEPLOY / "ray" / "pool.yaml")
+    settings = UpdaterSettings(**doc["updater"])
+    StoreSettings(**doc["redis"])
+    router = RouterSettings(**doc["router"])
+    assert settings.provider == "ray" and settings.ray.address is None  # the job's own cluster
+    assert settings.ray.detached and settings.ray.placement.num_gpus == 1
+    for r in settings.replicas:
+        assert r.launch is not None and r.launch.flavor == "gpu"
+        assert r.launch.weight_transfer_backend == "nccl"
+        assert (r.ray or settings.ray.placement).num_gpus >= 1
+        assert r.launch.model == r.model
+    assert router.max_staleness == settings.max_staleness
+    compile((DEPLOY / "ray" / "pool_job.py").read_text(), "pool_job.py", "exec")
