@@ -193,3 +193,30 @@ def test_rolloutpool_up_takes_a_launching_provider() -> None:
     assert (config.provider, config.ray.address) == ("ray", "head:6379")
     with pytest.raises(ValidationError, match="python -m updater --config"):
         _config(None, provider="kubernetes")  # its replicas are not started by `up`
+
+
+async def test_local_provider_restarts_a_fresh_process_at_the_same_url(tmp_path: Path) -> None:
+    """The local provider end to end (a stand-in server, as in test_launcher_deadline: the real
+    launcher, process group, /health and completion probe): start, a process known gone, a
+    restart that is a new process (new incarnation) at the same URL, stop."""
+    from tests.unit.test_launcher_deadline import SLOW, _spec
+
+    spec = _spec(
+        tmp_path, SLOW.format(spin=0.0), startup_timeout_s=30.0, startup_max_s=60.0
+    ).model_copy(update={"stop_grace_s": 1.0})
+    cfg = ReplicaConfig(id="a", model=MODEL, launch=spec)
+    p = LocalProvider.from_settings(UpdaterSettings(replicas=[cfg]))
+    try:
+        first = await p.start("a")
+        assert first.url == p.url("a") and first.node_address == "127.0.0.1"
+        before = await p.incarnation("a")
+        assert before is not None and before.startswith("pid:") and await p.alive("a")
+        p.launcher("a").kill(signal.SIGKILL)
+        p.launcher("a")._proc.wait()  # type: ignore[union-attr]
+        assert await p.alive("a") is False  # known gone: no health check needed
+        again = await p.restart_fresh("a")
+        assert again.url == first.url and await p.alive("a")
+        assert await p.incarnation("a") not in (None, before)
+    finally:
+        await p.stop("a")
+    assert await p.alive("a") is False
