@@ -117,7 +117,13 @@ class Supervisor:
             return
         if m.handle.lc.state is not S.READY:
             return
-        alive = await self.provider.alive(m.id) is not False
+        try:  # within the health timeout: a provider that cannot tell in time does not know
+            known = await asyncio.wait_for(
+                self.provider.alive(m.id), self.settings.health_timeout_s
+            )
+        except TimeoutError:
+            known = None
+        alive = known is not False
         healthy = alive and await m.handle.engine.health(timeout_s=self.settings.health_timeout_s)
         if healthy:
             m.misses = 0
