@@ -220,3 +220,13 @@ async def test_local_provider_restarts_a_fresh_process_at_the_same_url(tmp_path:
     finally:
         await p.stop("a")
     assert await p.alive("a") is False
+
+
+def test_a_ray_placement_names_one_way_to_choose_its_node() -> None:
+    from updater.providers.config import RayPlacement
+
+    with pytest.raises(ValidationError, match="placement group decides the node"):
+        RayPlacement(placement_group="pg", prefer_node_labels={"zone": "a"})
+    with pytest.raises(ValidationError, match="not both"):
+        RayPlacement(prefer_node_labels={"zone": "a"}, label_selector={"zone": "b"})
+    assert RayPlacement(num_gpus=1, resources={"rp_replica": 1}).num_cpus == 1.0

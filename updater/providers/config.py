@@ -43,6 +43,8 @@ class RayPlacement(BaseModel):
     def _one_placement(self) -> RayPlacement:
         if self.placement_group is not None and (self.prefer_node_labels or self.label_selector):
             raise ValueError("a placement group decides the node: no node labels with it")
+        if self.prefer_node_labels and self.label_selector:
+            raise ValueError("prefer_node_labels (soft) or label_selector (hard), not both")
         return self
 
 
