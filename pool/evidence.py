@@ -127,12 +127,55 @@ class ValidationEvidence:
         )
 
 
+_SEP = " @ "  # between the two parts of an encoded ProcessIdentity
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """Which server process a replica is.
+
+    ``engine`` is what the engine itself reports (:attr:`pool.engine.EngineMetrics.process`,
+    its API server's start time). ``provider`` is the identity the replica's provider gives the
+    process it runs (``updater.providers``: a Ray actor, a pod UID and container, a pid and its
+    start time), None where the provider has none (a replica someone else runs).
+
+    Stored in the replica's record as one string (:meth:`encode`, read back by :meth:`decode`);
+    a record written before provider identities existed decodes to an engine-only identity.
+    """
+
+    engine: str
+    provider: str | None = None
+
+    def replaces(self, old: ProcessIdentity | None) -> bool:
+        """Whether this is evidence of a *new* process in place of ``old`` (I6): the engine
+        reports another process and, where ``old`` had a provider identity, the provider
+        reports another one too. Any identity replaces an unknown one (``old`` None)."""
+        if old is None:
+            return True
+        if self.engine == old.engine:
+            return False
+        return old.provider is None or (self.provider is not None and self.provider != old.provider)
+
+    def encode(self) -> str:
+        return self.engine if self.provider is None else f"{self.engine}{_SEP}{self.provider}"
+
+    @classmethod
+    def decode(cls, text: str | None) -> ProcessIdentity | None:
+        if not text:
+            return None
+        engine, sep, provider = text.partition(_SEP)
+        return cls(engine, provider if sep else None)
+
+    def __str__(self) -> str:
+        return self.encode()
+
+
 @dataclass(frozen=True)
 class BootstrapEvidence:
     """A (fresh) engine is up on ``generation``: it answered one real completion and validated.
 
-    ``process`` is the serving process's identity as the engine reported it (None: not
-    reported); ``loaded`` says this bootstrap loaded the generation's weights into that process
+    ``process`` is the serving process's identity (None: the engine did not report one);
+    ``loaded`` says this bootstrap loaded the generation's weights into that process
     (rather than trusting what it was started with). Recovery (I6) needs both: a process other
     than the tainted one, and the weights loaded from scratch.
     """
@@ -142,7 +185,7 @@ class BootstrapEvidence:
     engine_version: str
     validation: ValidationEvidence | None = None
     completion_ok: bool = False
-    process: str | None = None
+    process: ProcessIdentity | None = None
     loaded: bool = False
 
     @property

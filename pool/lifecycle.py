@@ -36,6 +36,7 @@ from pool.evidence import (
     DrainRequested,
     Event,
     FailureKind,
+    ProcessIdentity,
     RecoveryStarted,
     ResumeEvidence,
     StepFailed,
@@ -56,13 +57,14 @@ class Lifecycle:
     ``generation``/``identity`` are what the replica serves (meaningful in READY; kept as "last
     known" elsewhere, never trusted in TAINTED). ``process`` is the identity of the server
     process that was bootstrapped (kept through TAINTED and RECOVERING: recovery must prove a
-    different one). ``target``/``target_identity`` are set from DRAINING until the update ends.
+    different one, :meth:`~pool.evidence.ProcessIdentity.replaces`). ``target`` and
+    ``target_identity`` are set from DRAINING until the update ends.
     """
 
     state: ReplicaState = S.UNINITIALIZED
     generation: Generation | None = None
     identity: str | None = None
-    process: str | None = None
+    process: ProcessIdentity | None = None
     target: Generation | None = None
     target_identity: str | None = None
     reason: str = ""
@@ -108,7 +110,7 @@ def _bootstrap(lc: Lifecycle, ev: Event) -> Lifecycle:
     if not ev.proves_serving:
         raise _refuse(lc, ev, "no successful completion or validation failed")
     if lc.state is S.RECOVERING:  # I6: a fresh process, the weights loaded from scratch
-        if ev.process is None or ev.process == lc.process:
+        if ev.process is None or not ev.process.replaces(lc.process):
             raise _refuse(
                 lc, ev, f"no evidence of a new process (was {lc.process}, now {ev.process})"
             )

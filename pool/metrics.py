@@ -145,6 +145,7 @@ class UpdaterMetrics:
     staleness_window: Histogram
     taints: Counter
     recoveries: Counter
+    restarts: Counter
     pool: PoolGauges
 
     @classmethod
@@ -179,6 +180,12 @@ class UpdaterMetrics:
                 "rolloutpool_recoveries",
                 "Replica recoveries, by result (succeeded/failed)",
                 ["result"],
+                registry=registry,
+            ),
+            restarts=Counter(
+                "rolloutpool_replica_restarts",
+                "Fresh processes the replica provider started for a replica, by replica",
+                ["replica", "provider"],
                 registry=registry,
             ),
             pool=PoolGauges.create(registry),

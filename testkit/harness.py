@@ -8,6 +8,8 @@
   under an updater lease, publishing it.
 * :func:`serve_router` — the router app on a real port (handler cancellation on, as in
   production); :func:`router_client` — the same app behind aiohttp's test client (unit tests).
+* :func:`local_launcher` — the launcher of a replica an updater runs with the ``local``
+  provider (tests signal its process group).
 
 Servers take 20-60 s to start on a busy 2-core box; timeouts here are generous.
 """
@@ -34,9 +36,18 @@ from pool.web import start_server
 from router.app import create_app
 from router.settings import RouterSettings
 from testkit.models import ensure_model
+from updater.providers.local import LocalProvider
+from updater.service import Updater
 
 G0 = Generation(number=0, label="g0")
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def local_launcher(updater: Updater, replica_id: str) -> LocalReplica:
+    """The launcher of ``replica_id`` in an updater whose provider is ``local``."""
+    provider = updater.provider
+    assert isinstance(provider, LocalProvider), f"{provider.name} provider, not local"
+    return provider.launcher(replica_id)
 
 
 def tiny_model() -> Path:

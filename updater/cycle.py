@@ -50,6 +50,7 @@ from pool.evidence import (
     Event,
     FailureKind,
     LabelEvidence,
+    ProcessIdentity,
     RecoveryStarted,
     ResumeEvidence,
     StepFailed,
@@ -106,12 +107,27 @@ class UpdateTarget:
 
 @dataclass
 class ReplicaHandle:
-    """The updater's view of one replica: its engine client, manifest and controller state."""
+    """The updater's view of one replica: its engine client, manifest and controller state.
+
+    ``provider_identity`` reads the identity the replica's provider gives the process it runs
+    now (:meth:`updater.providers.base.ReplicaProvider.incarnation`); None where there is none.
+    """
 
     replica_id: str
     engine: VllmEngine
     manifest: Manifest
     lc: Lifecycle = field(default_factory=Lifecycle)
+    provider_identity: Callable[[], Awaitable[str | None]] | None = None
+
+    async def process(self, timeout_s: float) -> ProcessIdentity | None:
+        """The serving process's identity now: the engine's report (None if it reports none)
+        with the provider's. Raises :class:`~pool.errors.EngineError` when the engine does not
+        answer within ``timeout_s``."""
+        engine = (await self.engine.metrics(timeout_s=timeout_s)).process
+        if engine is None:
+            return None
+        provider = await self.provider_identity() if self.provider_identity else None
+        return ProcessIdentity(engine, provider)
 
 
 Validator = Callable[["ReplicaHandle", Generation, "Probe"], Awaitable[ValidationEvidence]]
@@ -229,7 +245,7 @@ class CycleRunner:
                 generation=after.generation,
                 identity_digest=after.identity or "",
                 publish=True,
-                process=after.process,
+                process=after.process.encode() if after.process else None,
             )
         if after.state is S.DRAINING and after.target is not None:
             kw.update(target=after.target, target_identity=after.target_identity or "")
@@ -437,8 +453,9 @@ class CycleRunner:
         ``checkpoint`` is loaded first (None: trust what the process was started with, only for a
         replica joining for the first time; recovery always loads, I6). The engine must not be
         serving anyone (the store keeps it closed to admissions until the final commit). The
-        server process's identity is read before the load and again after validation; a change
-        in between (a restart mid-bootstrap) is a failure. Any failure: TAINTED.
+        server process's identity (the engine's and the provider's, :meth:`ReplicaHandle.process`)
+        is read before the load and again after validation; a change in between (a restart
+        mid-bootstrap) is a failure. Any failure: TAINTED.
         """
         report = ReplicaReport(replica=h.replica_id, generation=generation.number)
         timer = _Timer(report, None)
@@ -453,7 +470,7 @@ class CycleRunner:
                     mutating=False,
                     fenced=False,
                 )
-                process = (await h.engine.metrics(timeout_s=d.resume_s)).process
+                process = await h.process(d.resume_s)
             if checkpoint is not None:
                 target = WeightsTarget(
                     identity=identity, path=checkpoint, expected_manifest=h.manifest
@@ -493,7 +510,7 @@ class CycleRunner:
                     d.validate_s,
                     mutating=True,
                 )
-            if (await h.engine.metrics(timeout_s=d.resume_s)).process != process:
+            if await h.process(d.resume_s) != process:
                 raise LifecycleError("the server process changed during the bootstrap")
             ev_boot = BootstrapEvidence(
                 generation,

@@ -1,10 +1,11 @@
 """The replicas one updater manages, and bringing one up on a declared generation.
 
 A :class:`ManagedReplica` pairs the configuration with the cycle runner's
-:class:`~updater.cycle.ReplicaHandle` (engine client, manifest, controller state), the local
-launcher where the updater starts the process itself, and the supervisor's bookkeeping. Its
-``lock`` is held by whoever drives the replica (an update cycle, a join, a recovery), so two of
-them never overlap on one replica.
+:class:`~updater.cycle.ReplicaHandle` (engine client, manifest, controller state, the provider's
+identity of its process) and the supervisor's bookkeeping. Its process is started, restarted and
+located by the pool's :class:`~updater.providers.base.ReplicaProvider`. Its ``lock`` is held by
+whoever drives the replica (an update cycle, a join, a recovery), so two of them never overlap
+on one replica.
 """
 
 from __future__ import annotations
@@ -13,26 +14,42 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pool.launcher import LocalReplica
+from pool.engine import VllmEngine
 from pool.records import ReplicaReport
 from pool.types import GenerationRecord
 from updater.cycle import CycleRunner, Probe, ReplicaHandle
 from updater.settings import ReplicaConfig
+
+#: The engine URL of a replica whose provider decides its URL only when it is placed (Ray):
+#: ``.invalid`` never resolves (RFC 2606), so a call before placement fails at once.
+UNPLACED_URL = "http://unplaced.invalid"
 
 
 @dataclass
 class ManagedReplica:
     config: ReplicaConfig
     handle: ReplicaHandle
-    launcher: LocalReplica | None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     misses: int = 0  # consecutive failed health checks
     recovering: asyncio.Task[None] | None = None
     quarantined: bool = False  # tainted and its bindings aborted; waiting for recovery
+    cause: str = ""  # why it was quarantined (kept while recovery attempts fail)
+    restarts: int = 0  # fresh processes its provider started for it (restart_fresh)
 
     @property
     def id(self) -> str:
         return self.config.id
+
+    async def move_to(self, url: str) -> bool:
+        """Point the engine client at ``url`` (a fresh client; the old one is closed). Returns
+        False, doing nothing, if it already points there. The caller holds ``lock`` or no one
+        drives the replica yet."""
+        old = self.handle.engine
+        if url.rstrip("/") == old.url:
+            return False
+        self.handle.engine = VllmEngine(url, timeout=old.timeout)
+        await old.aclose()
+        return True
 
 
 async def bring_up(
@@ -50,4 +67,4 @@ async def bring_up(
     return await runner.bootstrap(m.handle, gen.generation, gen.identity, probe, checkpoint)
 
 
-__all__ = ["ManagedReplica", "bring_up"]
+__all__ = ["UNPLACED_URL", "ManagedReplica", "bring_up"]

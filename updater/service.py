@@ -13,6 +13,10 @@ What runs, once :meth:`Updater.start` returns:
 * the **supervisor** (:mod:`updater.supervisor`) checks the replicas' health and recovers
   tainted ones (I6).
 
+The replicas' processes are started, restarted and located by the pool's replica provider
+(:mod:`updater.providers`, named by ``settings.provider``): local processes, replicas someone
+else runs (by URL), Ray actors, or a StatefulSet's pods.
+
 A per-replica lock keeps cycles and recoveries of one replica from overlapping. ``start`` blocks
 while another updater holds the lease.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -30,7 +35,7 @@ from typing import Any
 from pool.checkpoint import read_manifest, vocab_size
 from pool.engine import VllmEngine
 from pool.errors import EngineError, PreflightFailed, RolloutPoolError, StoreConflict
-from pool.launcher import LocalReplica
+from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.metrics import UpdaterMetrics
 from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord, UpdateState
@@ -40,7 +45,9 @@ from updater import plan
 from updater.api import UpdateRequest
 from updater.cycle import CycleError, CycleRunner, Probe, ReplicaHandle, UpdateTarget
 from updater.pending import PendingUpdate, PendingUpdates
-from updater.replicas import ManagedReplica, bring_up
+from updater.providers import registry as providers
+from updater.providers.base import ReplicaProvider
+from updater.replicas import UNPLACED_URL, ManagedReplica, bring_up
 from updater.settings import UpdaterSettings
 from updater.supervisor import WAITING_FOR_RESTART, Supervisor
 from updater.transports import registry as transports
@@ -64,6 +71,7 @@ class Updater:
         store: RedisStore,
         *,
         transport: Transport | None = None,
+        provider: ReplicaProvider | None = None,
         metrics: UpdaterMetrics | None = None,
         coalesce: bool = True,
     ) -> None:
@@ -84,15 +92,19 @@ class Updater:
             drain_policy=settings.drain_policy,
             drain_timeout_s=settings.drain_timeout_s,
         )
+        self.provider = provider if provider is not None else providers.create(settings)
         self.replicas: dict[str, ManagedReplica] = {}
         for cfg in settings.replicas:
-            launcher = LocalReplica(cfg.launch) if cfg.launch is not None else None
-            # an explicit url wins over the launcher's (e.g. a proxy in front of the server)
-            url = cfg.url if cfg.url is not None else launcher.url  # type: ignore[union-attr]
+            url = self.provider.url(cfg.id) or UNPLACED_URL  # placed by start() (Ray)
             engine = VllmEngine(url, timeout=settings.deadlines.resume_s)
-            handle = ReplicaHandle(cfg.id, engine, read_manifest(cfg.model))
-            self.replicas[cfg.id] = ManagedReplica(cfg, handle, launcher)
-        self.supervisor = Supervisor(settings, store, self.runner, self.replicas, metrics)
+            identity = functools.partial(self.provider.incarnation, cfg.id)
+            handle = ReplicaHandle(
+                cfg.id, engine, read_manifest(cfg.model), provider_identity=identity
+            )
+            self.replicas[cfg.id] = ManagedReplica(cfg, handle)
+        self.supervisor = Supervisor(
+            settings, store, self.runner, self.replicas, self.provider, metrics
+        )
         self.pending = PendingUpdates()
         self._tasks: list[asyncio.Task[Any]] = []
         self.lost = asyncio.Event()
@@ -101,13 +113,13 @@ class Updater:
     # ------------------------------------------------------------------ start / stop
 
     async def start(self, lease_timeout_s: float | None = None) -> None:
-        """Acquire the lease (blocks while another updater holds it), start (or adopt) every
-        replica on the latest generation, then start the worker and the supervisor."""
+        """Acquire the lease (blocks while another updater holds it), have the provider start
+        (or find) every replica, join them on the latest generation, then start the worker and
+        the supervisor. A replica the provider cannot start fails the start
+        (:class:`~updater.providers.base.ProviderError`)."""
         await self.lease.acquire(blocking_timeout_s=lease_timeout_s)
         self._tasks.append(asyncio.create_task(self._keep_lease(), name="lease"))
-        launches = [m.launcher.start() for m in self.replicas.values() if m.launcher]
-        if launches:
-            await asyncio.gather(*launches)
+        await asyncio.gather(*(self._place(m) for m in self.replicas.values()))
         await self._join_all()
         self._tasks.append(asyncio.create_task(self._worker(), name="worker"))
         self._tasks.append(asyncio.create_task(self.supervisor.run(), name="supervisor"))
@@ -115,7 +127,8 @@ class Updater:
 
     async def stop(self, *, stop_replicas: bool = True) -> None:
         """Stop acting and give the lease up. With ``stop_replicas``, the replicas this updater
-        launched are tainted first (routers stop admitting to them at once), then stopped."""
+        launched (its provider launches them) are tainted first (routers stop admitting to them
+        at once), then stopped."""
         for t in self._tasks:
             t.cancel()
         self.supervisor.cancel()
@@ -125,11 +138,12 @@ class Updater:
         self._tasks.clear()
         for m in self.replicas.values():
             await m.handle.engine.aclose()
-            if stop_replicas and m.launcher is not None:
+            if stop_replicas and self.provider.launches:
                 # routers must stop admitting before the process goes (no lease needed)
                 with contextlib.suppress(RolloutPoolError):
                     await self.store.taint(m.id, "stopped with its updater", source="updater")
-                await m.launcher.stop()
+                await self.provider.stop(m.id)
+        await self.provider.close()
         await self.lease.release()
 
     async def _keep_lease(self) -> None:
@@ -142,6 +156,12 @@ class Updater:
                 t.cancel()
 
     # ------------------------------------------------------------------ joining
+
+    async def _place(self, m: ManagedReplica) -> None:
+        """Have the provider start (or find) ``m`` and point its engine client at it."""
+        location = await self.provider.start(m.id)
+        await m.move_to(location.url)
+        log.info("replica %s serves at %s (node %s)", m.id, location.url, location.node_address)
 
     async def _initial_generation(self) -> GenerationRecord:
         """The published generation's record, or g0 declared from the first replica's model
@@ -186,8 +206,9 @@ class Updater:
         behind is adopted only if it is READY on ``gen`` and still the very server process that
         was validated (its weights cannot have changed since: that needs a fenced transition
         out of READY). Anything else is not trusted: it is tainted, and recovered only from a
-        new process with ``gen`` loaded from scratch (I6) — now, if this updater just launched
-        it, else once its orchestrator has restarted it (the supervisor watches for that).
+        new process with ``gen`` loaded from scratch (I6) — now, if the provider just started a
+        new one; else the supervisor restarts it through the provider, or, where the provider
+        cannot restart it, waits until its orchestrator has.
         """
         token = self.lease.require()
         state = await self.store.register_replica(
@@ -199,28 +220,30 @@ class Updater:
                 await self._bring_up(m, gen, from_scratch=False)
                 return
             rec = await self.store.replica(m.id)
+            recorded = ProcessIdentity.decode(rec.process)
             current = await self._process(m)
             if (
                 rec.state is S.READY
                 and rec.generation == gen.generation.number
-                and rec.process is not None
-                and current == rec.process
+                and recorded is not None
+                and current == recorded
             ):
                 await m.handle.engine.bootstrap()
                 m.handle.lc = Lifecycle(
-                    S.READY, gen.generation, rec.identity_digest, process=rec.process
+                    S.READY, gen.generation, rec.identity_digest, process=recorded
                 )
                 log.info("replica %s adopted: READY on %s, same process", m.id, gen.generation)
                 return
             reason = f"updater (re)start found it {rec.state}: not trusted"
             await self.store.taint(m.id, reason, source="updater")
             await self.store.abort_active(m.id, "updater restart")
-            m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason, process=rec.process)
-            m.quarantined = True
-            if current is None or current == rec.process:  # not a new process (or unknown)
-                waiting = f"{reason}; {WAITING_FOR_RESTART}"
-                await self.store.transition(m.id, token, S.TAINTED, S.TAINTED, reason=waiting)
-                return
+            m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason, process=recorded)
+            m.quarantined, m.cause = True, reason
+            if current is None or not current.replaces(recorded):  # not a new process (or unknown)
+                if not self.provider.can_restart:
+                    waiting = f"{reason}; {WAITING_FOR_RESTART}"
+                    await self.store.transition(m.id, token, S.TAINTED, S.TAINTED, reason=waiting)
+                return  # else the supervisor restarts it through the provider
             await self.runner.start_recovery(m.handle, reason)
             await self._bring_up(m, gen, from_scratch=True)
 
@@ -233,13 +256,12 @@ class Updater:
         except CycleError as e:
             log.error("replica %s failed to join: %s", m.id, e)
 
-    async def _process(self, m: ManagedReplica) -> str | None:
+    async def _process(self, m: ManagedReplica) -> ProcessIdentity | None:
         """The replica's server process identity now (None: unreachable or not reported)."""
         try:
-            metrics = await m.handle.engine.metrics(timeout_s=self.settings.health_timeout_s)
+            return await m.handle.process(self.settings.health_timeout_s)
         except EngineError:
             return None
-        return metrics.process
 
     # ------------------------------------------------------------------ updates
 

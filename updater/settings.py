@@ -13,6 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pool.launcher import ReplicaSpec
 from pool.settings import refuse_placeholder
 from updater.cycle import Deadlines, DrainPolicy
+from updater.providers import registry as providers
+from updater.providers.config import KubernetesConfig, RayConfig, RayPlacement
 from updater.transports import registry as transports
 from updater.transports.nccl import NcclConfig
 
@@ -21,10 +23,16 @@ class ReplicaConfig(BaseModel):
     """One replica the updater manages.
 
     ``model`` is the checkpoint the server was started with: its manifest is the one every
-    pushed checkpoint must match. With ``launch`` the updater starts the process itself and can
-    restart it for recovery (local launcher); without it, ``url`` must point at a running server
-    and recovery needs an external supervisor (Kubernetes replaces the pod). With both, ``url``
-    is where the updater and routers reach the launched server (e.g. through a proxy).
+    pushed checkpoint must match. What else a replica needs depends on the pool's provider
+    (``UpdaterSettings.provider``, :mod:`updater.providers`):
+
+    * ``local``: ``launch`` (the updater starts the process and restarts it for recovery); with
+      a ``url`` too, that is where the updater and routers reach it (e.g. through a proxy);
+    * ``external``: ``url`` only (someone else runs it; recovery waits for its orchestrator);
+    * ``ray``: ``launch`` (what its actor runs) and optionally ``ray`` (its resource request and
+      placement; default ``UpdaterSettings.ray.placement``); no ``url``: placement decides it;
+    * ``kubernetes``: ``pod`` (default: the id) and optionally ``url`` (e.g. the headless
+      Service name; default the pod's IP).
     """
 
     model_config = {"extra": "forbid"}
@@ -34,12 +42,17 @@ class ReplicaConfig(BaseModel):
     model: Path
     launch: ReplicaSpec | None = None
     capacity: int = Field(default=64, ge=1)
+    ray: RayPlacement | None = None
+    pod: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
-    @model_validator(mode="after")
-    def _url_or_launch(self) -> ReplicaConfig:
-        if self.url is None and self.launch is None:
-            raise ValueError(f"replica {self.id}: give a url or a launch spec")
-        return self
+
+#: Built-in provider -> (the replica fields it needs, the fields it has no use for).
+_REQUIRED: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "local": (frozenset({"launch"}), frozenset({"ray", "pod"})),
+    "external": (frozenset({"url"}), frozenset({"launch", "ray", "pod"})),
+    "ray": (frozenset({"launch"}), frozenset({"url", "pod"})),
+    "kubernetes": (frozenset(), frozenset({"launch", "ray"})),
+}
 
 
 class UpdaterSettings(BaseSettings):
@@ -59,6 +72,14 @@ class UpdaterSettings(BaseSettings):
     transport: str = "reload"
     nccl: NcclConfig = Field(default_factory=NcclConfig)
 
+    #: Who runs the replicas: a name registered in :mod:`updater.providers.registry`. Built in:
+    #: ``local``, ``external``, ``ray`` (settings in ``ray``), ``kubernetes`` (``kubernetes``).
+    #: ``auto`` (the default) is ``local`` when every replica has a ``launch`` spec and
+    #: ``external`` when none has; after validation it is always a registered name.
+    provider: str = "auto"
+    ray: RayConfig = Field(default_factory=RayConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+
     @field_validator("admin_token")
     @classmethod
     def _real_token(cls, v: SecretStr | None) -> SecretStr | None:
@@ -68,6 +89,26 @@ class UpdaterSettings(BaseSettings):
     @classmethod
     def _registered_transport(cls, name: str) -> str:
         return transports.require(name)  # validates the name; imports no transport
+
+    @model_validator(mode="after")
+    def _replicas_fit_the_provider(self) -> UpdaterSettings:
+        if self.provider == "auto":
+            launched = {r.launch is not None for r in self.replicas}
+            if len(launched) > 1:
+                raise ValueError(
+                    "some replicas have a launch spec and some do not: set provider "
+                    "(local, external, ray, kubernetes) and give every replica what it needs"
+                )
+            self.provider = "local" if launched == {True} else "external"
+        providers.require(self.provider)  # validates the name; imports no provider
+        required, forbidden = _REQUIRED.get(self.provider, (frozenset(), frozenset()))
+        for r in self.replicas:
+            given = {k for k in ("url", "launch", "ray", "pod") if getattr(r, k) is not None}
+            if missing := sorted(required - given):
+                raise ValueError(f"replica {r.id}: provider {self.provider} needs {missing}")
+            if extra := sorted(given & forbidden):
+                raise ValueError(f"replica {r.id}: provider {self.provider} does not use {extra}")
+        return self
 
     max_unavailable: int = Field(default=1, ge=1)
     min_serving: int = Field(default=1, ge=0)

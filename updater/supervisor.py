@@ -7,26 +7,32 @@ recovery holds (its ``lock`` is free):
   (taint, abort its active bindings with a reason) and recover;
 * found mid-update with no cycle running (a step cut off, e.g. by a Redis outage) → its engine
   state is unknown: taint and recover;
-* READY: process alive (local launcher) and ``/health`` within ``health_timeout_s``; after
-  ``health_failures`` misses in a row, or a dead process, → quarantine and recover.
+* READY: the provider does not know its process to be gone
+  (:meth:`~updater.providers.base.ReplicaProvider.alive`) and ``/health`` answers within
+  ``health_timeout_s``; after ``health_failures`` misses in a row, or a process known gone, →
+  quarantine and recover.
 
-Recovery (``settings.recover``, I6) needs a *new server process*: a replica the updater launched
-is killed and started fresh; a replica someone else runs (Kubernetes, compose) stays TAINTED, its
-reason saying that it waits for its orchestrator to restart it, until the engine reports a
-process identity (:attr:`pool.engine.EngineMetrics.process`) other than the tainted one. A slow
-or failed ``/health`` is never such evidence. Either way the latest generation is then loaded
-from scratch (even when the process was started on it) and validated before it is READY again,
-and the lifecycle controller refuses the commit without both proofs.
+Recovery (``settings.recover``, I6) needs a *new server process*. Where the pool's provider can
+restart replicas (local processes, Ray actors, Kubernetes pods), it replaces the process
+(:meth:`~updater.providers.base.ReplicaProvider.restart_fresh`; the replica may come back at
+another URL, which the store then gets). Where it cannot (a replica someone else runs), the
+replica stays TAINTED, its reason saying that it waits for its orchestrator to restart it, until
+the engine reports a process identity (:attr:`pool.engine.EngineMetrics.process`) other than the
+tainted one. A slow or failed ``/health`` is never such evidence. Either way the latest
+generation is then loaded from scratch (even when the process was started on it) and validated
+before it is READY again, and the lifecycle controller refuses the commit unless the engine's
+process identity *and* the provider's (:class:`pool.evidence.ProcessIdentity`) are new and the
+weights were loaded.
 
 Checks of different replicas run concurrently; recoveries run as their own tasks (at most one per
-replica). A failed recovery leaves the replica TAINTED; the next check tries again.
+replica). A failed recovery leaves the replica TAINTED, its reason saying what failed (e.g. that
+no node has the resources for it); the next check tries again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -37,6 +43,7 @@ from pool.metrics import UpdaterMetrics
 from pool.store import RedisStore
 from pool.types import ReplicaRecord, ReplicaState
 from updater.cycle import CycleRunner
+from updater.providers.base import ReplicaProvider
 from updater.replicas import ManagedReplica, bring_up
 from updater.settings import UpdaterSettings
 
@@ -59,12 +66,14 @@ class Supervisor:
         store: RedisStore,
         runner: CycleRunner,
         replicas: Mapping[str, ManagedReplica],
+        provider: ReplicaProvider,
         metrics: UpdaterMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.runner = runner
         self.replicas = replicas
+        self.provider = provider
         self.metrics = metrics
 
     async def run(self) -> None:
@@ -96,7 +105,7 @@ class Supervisor:
             return
         if (rec is not None and rec.state is S.TAINTED) or m.handle.lc.state is S.TAINTED:
             reason = (rec.reason if rec is not None else "") or m.handle.lc.reason or "tainted"
-            if m.launcher is not None:
+            if self.provider.can_restart:
                 self._start_recovery(m, reason)
             else:
                 await self._watch_external(m, reason)
@@ -108,34 +117,43 @@ class Supervisor:
             return
         if m.handle.lc.state is not S.READY:
             return
-        alive = m.launcher.alive if m.launcher is not None else True
+        try:  # within the health timeout: a provider that cannot tell in time does not know
+            known = await asyncio.wait_for(
+                self.provider.alive(m.id), self.settings.health_timeout_s
+            )
+        except TimeoutError:
+            known = None
+        alive = known is not False
         healthy = alive and await m.handle.engine.health(timeout_s=self.settings.health_timeout_s)
         if healthy:
             m.misses = 0
             return
         m.misses += 1
         if not alive or m.misses >= self.settings.health_failures:
-            why = "process exited" if not alive else f"/health failed {m.misses} times"
+            why = (
+                f"its process is gone ({self.provider.name} provider)"
+                if not alive
+                else f"/health failed {m.misses} times"
+            )
             reason = f"replica unhealthy: {why}"
-            if m.launcher is not None:
+            if self.provider.can_restart:
                 self._start_recovery(m, reason)
             else:
                 await self.quarantine(m, reason)
 
     async def _watch_external(self, m: ManagedReplica, reason: str) -> None:
-        """A TAINTED replica this updater did not launch (Kubernetes, compose): its orchestrator
-        must replace the process (delete the pod). Once the engine reports another process
-        identity than the tainted one, re-join it at the latest generation, loaded from scratch.
+        """A TAINTED replica the provider cannot restart (one someone else runs): its
+        orchestrator must replace the process. Once the engine (and the provider, where it has
+        an identity) reports another process than the tainted one, re-join it at the latest
+        generation, loaded from scratch.
         """
         if not m.quarantined:
             await self.quarantine(m, f"{reason}; {WAITING_FOR_RESTART}")
         try:
-            current = (
-                await m.handle.engine.metrics(timeout_s=self.settings.health_timeout_s)
-            ).process
+            current = await m.handle.process(self.settings.health_timeout_s)
         except EngineError:
             return  # down or slow: no evidence either way
-        if current is not None and current != m.handle.lc.process:
+        if current is not None and current.replaces(m.handle.lc.process):
             m.recovering = asyncio.create_task(
                 self.recover(m, reason, restart=False), name=f"rejoin-{m.id}"
             )
@@ -144,6 +162,8 @@ class Supervisor:
         """Taint (if not yet) and abort what is bound to it; idempotent. The store's reason
         becomes ``reason`` (so it says what recovery waits for)."""
         async with m.lock:
+            if not m.quarantined:
+                m.cause = reason
             if m.handle.lc.state is not S.TAINTED:
                 await self.store.taint(m.id, reason, source="updater")
                 m.handle.lc = replace(m.handle.lc, state=S.TAINTED, reason=reason)
@@ -162,7 +182,7 @@ class Supervisor:
     async def _orphaned(self, m: ManagedReplica, reason: str) -> None:
         m.handle.lc = replace(m.handle.lc, state=S.TAINTED, reason=reason)
         await self.store.taint(m.id, reason, source="updater")
-        if m.launcher is not None:
+        if self.provider.can_restart:
             self._start_recovery(m, reason)
         else:
             await self.quarantine(m, reason)
@@ -171,32 +191,42 @@ class Supervisor:
         m.recovering = asyncio.create_task(self.recover(m, reason), name=f"recover-{m.id}")
 
     async def recover(self, m: ManagedReplica, reason: str, *, restart: bool = True) -> None:
-        """Taint, abort what was bound to it, (re)start it fresh and re-join at the latest
-        generation (I6). ``restart=False``: the process was already replaced externally."""
+        """Taint, abort what was bound to it, have the provider start it fresh and re-join at
+        the latest generation (I6). ``restart=False``: the process was already replaced by its
+        orchestrator. A failure leaves it TAINTED with the cause and what failed."""
         t0 = time.monotonic()
         await self.quarantine(m, reason)
         if not self.settings.recover:
             return
+        failed: str | None = None
         async with m.lock:
             m.misses = 0
             try:
                 await self.runner.start_recovery(m.handle, reason)
-                if restart and m.launcher is not None:
-                    m.launcher.kill(signal.SIGKILL)  # fresh start; a hung (SIGSTOPped) one too
-                    await m.launcher.restart()
                 self.runner.transport.forget(m.handle.engine.url)  # a fresh process
+                if restart and self.provider.can_restart:
+                    location = await self.provider.restart_fresh(m.id)
+                    m.restarts += 1
+                    if self.metrics is not None:
+                        self.metrics.restarts.labels(m.id, self.provider.name).inc()
+                    if await m.move_to(location.url):  # placed elsewhere: tell the routers
+                        await self.store.register_replica(
+                            m.id, location.url, self.runner.lease.require(), m.config.capacity
+                        )
                 latest = await self.store.latest()
                 assert latest is not None
                 gen = await self.store.generation_record(latest[0].number)
                 await bring_up(self.runner, m, gen, from_scratch=True)
-                m.quarantined = False
+                m.quarantined, m.cause = False, ""
                 result = "succeeded"
                 log.info("replica %s recovered in %.1fs", m.id, time.monotonic() - t0)
             except (RolloutPoolError, AssertionError) as e:
-                result = "failed"
+                result, failed = "failed", f"{m.cause or reason}; recovery failed: {e}"
                 log.error("recovery of %s failed: %s", m.id, e)
             if self.metrics is not None:
                 self.metrics.recoveries.labels(result).inc()
+        if failed is not None:
+            await self.quarantine(m, failed)  # e.g. left RECOVERING by a failed restart
 
 
 __all__ = ["ORPHANABLE", "Supervisor"]

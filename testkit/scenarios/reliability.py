@@ -43,6 +43,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
 from pool.web import start_server
+from testkit.harness import local_launcher
 from testkit.models import marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
@@ -185,7 +186,8 @@ async def watch_recovery(
 
 async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, Any]:
     m = env.updater.replicas["r1"]
-    assert m.launcher is not None and m.launcher.pid is not None
+    launcher = local_launcher(env.updater, "r1")
+    assert launcher.pid is not None
     async with httpx.AsyncClient(base_url=env.router_url, timeout=90) as http:
         ids = await _pinned_sessions(env, http, "r1", n)
         body = {
@@ -215,7 +217,7 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         )
         await asyncio.wait_for(sentinel.wait(), timeout=60)
         t0 = time.monotonic()
-        os.killpg(m.launcher.pid, sig)
+        os.killpg(launcher.pid, sig)
         detected, recovered = await watch_recovery(env.store, "r1", t0, timeout_s=300)
         results = await asyncio.gather(*calls, return_exceptions=True)
         drain.cancel()

@@ -47,6 +47,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
 from testkit.fault_proxy import FaultProxy
+from testkit.harness import local_launcher
 from testkit.models import ensure_model, marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
@@ -249,8 +250,7 @@ async def stuck_transfer(
     up: Updater, proxy: FaultProxy, store: RedisStore, g: int, p: Params
 ) -> dict[str, Any]:
     """Hold r1's /collective_rpc forever during the next update; measure taint and recovery."""
-    launcher = up.replicas["r1"].launcher
-    assert launcher is not None
+    launcher = local_launcher(up, "r1")
     while (await store.replica("r1")).state is not S.READY:  # an earlier recovery may still run
         await asyncio.sleep(0.2)
     normal = up.runner.deadlines

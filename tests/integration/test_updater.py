@@ -20,6 +20,7 @@ from pool.launcher import ReplicaSpec, free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
+from testkit.harness import local_launcher
 from testkit.models import ensure_model, marker_token
 from testkit.scenarios.reliability import watch_recovery
 from updater.app import create_api
@@ -189,11 +190,10 @@ async def test_second_updater_waits_on_the_lease(env: Env) -> None:
 
 
 async def test_killed_replica_is_detected_and_recovered_at_latest(env: Env) -> None:
-    m = env.updater.replicas["r1"]
-    assert m.launcher is not None
+    launcher = local_launcher(env.updater, "r1")
     await env.store.admit("inflight", "r1")
     t0 = time.monotonic()
-    m.launcher.kill(signal.SIGKILL)
+    launcher.kill(signal.SIGKILL)
     detected, recovered = await watch_recovery(env.store, "r1", t0, timeout_s=240, poll_s=0.1)
     assert detected is not None and detected < 5, detected
     assert recovered is not None

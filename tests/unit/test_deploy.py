@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from pool.metrics import RouterMetrics, UpdaterMetrics
 from pool.settings import StoreSettings
+from router.settings import RouterSettings
 from updater.cycle import Deadlines
 from updater.settings import ReplicaConfig, UpdaterSettings
 
@@ -536,6 +537,50 @@ def test_k8s_router_and_updater(k8s: list[dict[str, Any]]) -> None:
     k8s_obj(k8s, "Service", "updater")
 
 
+def test_k8s_rbac_lets_the_updater_restart_the_replica_pods_only(
+    k8s: list[dict[str, Any]], clean_env: pytest.MonkeyPatch
+) -> None:
+    """The kubernetes replica provider deletes a TAINTED replica's pod and reads it until the
+    StatefulSet's successor is Ready: get + delete on those pods by name, nothing else; the
+    updater (and only it among the pool's workloads without an RBAC role of their own) mounts a
+    service account token. tests/unit/test_providers_kubernetes.py runs the provider against a
+    fake API server that enforces this very Role."""
+    role = k8s_obj(k8s, "Role", "updater-replica-pods")
+    binding = k8s_obj(k8s, "RoleBinding", "updater-replica-pods")
+    k8s_obj(k8s, "ServiceAccount", "updater")
+    sts = k8s_obj(k8s, "StatefulSet", "replica")
+    pods = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["pods"],
+            "resourceNames": pods,
+            "verbs": ["get", "delete"],
+        }
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "updater", "namespace": NAMESPACE}
+    ]
+    settings = UpdaterSettings(**_updater_configs(k8s)["k8s"]["updater"])
+    assert settings.provider == "kubernetes"
+    assert sorted(r.pod or r.id for r in settings.replicas) == pods
+    updater = k8s_obj(k8s, "Deployment", "updater")["spec"]["template"]["spec"]
+    assert updater["serviceAccountName"] == "updater"
+    assert updater["automountServiceAccountToken"] is True
+    for kind, name in [
+        ("Deployment", "router"),
+        ("StatefulSet", "replica"),
+        ("StatefulSet", "redis"),
+    ]:
+        spec = k8s_obj(k8s, kind, name)["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False, name
+
+
 def test_k8s_redis_uses_aof(k8s: list[dict[str, Any]]) -> None:
     conf = k8s_obj(k8s, "ConfigMap", "redis-config")["data"]["redis.conf"]
     assert re.search(r"^appendonly yes$", conf, re.M)
@@ -700,3 +745,27 @@ def test_grafana_provisioning_matches_compose(compose: dict[str, Any]) -> None:
     assert targets["/etc/grafana/provisioning"] == "./grafana/provisioning"
     dash = provider["options"]["path"] + "/rolloutpool.json"
     assert targets[dash] == "./grafana/rolloutpool.json"
+
+
+# ------------------------------------------------------------------------------------ ray
+
+
+def test_ray_job_config_validates_and_places_gpu_replicas_as_actors(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """deploy/ray/pool.yaml is what deploy/ray/pool_job.py reads: the updater's, Redis' and the
+    router's settings, the replicas as Ray actors that each reserve a GPU and run vLLM's GPU
+    flavour with the NCCL weight-transfer backend."""
+    (doc,) = load_yaml(DEPLOY / "ray" / "pool.yaml")
+    settings = UpdaterSettings(**doc["updater"])
+    StoreSettings(**doc["redis"])
+    router = RouterSettings(**doc["router"])
+    assert settings.provider == "ray" and settings.ray.address is None  # the job's own cluster
+    assert settings.ray.detached and settings.ray.placement.num_gpus == 1
+    for r in settings.replicas:
+        assert r.launch is not None and r.launch.flavor == "gpu"
+        assert r.launch.weight_transfer_backend == "nccl"
+        assert (r.ray or settings.ray.placement).num_gpus >= 1
+        assert r.launch.model == r.model
+    assert router.max_staleness == settings.max_staleness
+    compile((DEPLOY / "ray" / "pool_job.py").read_text(), "pool_job.py", "exec")

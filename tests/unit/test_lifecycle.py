@@ -12,6 +12,7 @@ from pool.evidence import (
     DrainRequested,
     FailureKind,
     LabelEvidence,
+    ProcessIdentity,
     RecoveryStarted,
     ResumeEvidence,
     StepFailed,
@@ -26,10 +27,11 @@ from pool.types import Generation, ReplicaState
 S = ReplicaState
 G0, G1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
 PROBE = (5, 6, 7)
+P0, P1 = ProcessIdentity("p0"), ProcessIdentity("p1")
 
 
 def boot(gen: Generation = G0, ident: str = "id0") -> BootstrapEvidence:
-    return BootstrapEvidence(gen, ident, "0.32.0", completion_ok=True, process="p0")
+    return BootstrapEvidence(gen, ident, "0.32.0", completion_ok=True, process=P0)
 
 
 def valid(
@@ -143,27 +145,27 @@ def test_tainted_recovers_only_through_fresh_bootstrap() -> None:
     with pytest.raises(PostconditionFailed):
         advance(lc, bad)
     good = BootstrapEvidence(
-        G1, "id1", "0.32.0", validation=valid(), completion_ok=True, process="p1", loaded=True
+        G1, "id1", "0.32.0", validation=valid(), completion_ok=True, process=P1, loaded=True
     )
     assert advance(lc, good).state is S.READY
-    assert advance(lc, good).process == "p1"
+    assert advance(lc, good).process == P1
 
 
 @pytest.mark.parametrize(
     ("process", "loaded", "why"),
     [
-        ("p0", True, "no evidence of a new process"),  # the tainted process itself
+        (P0, True, "no evidence of a new process"),  # the tainted process itself
         (None, True, "no evidence of a new process"),  # identity not reported: unprovable
-        ("p1", False, "not loaded from scratch"),  # a new process, trusted as started
+        (P1, False, "not loaded from scratch"),  # a new process, trusted as started
     ],
 )
 def test_recovery_needs_a_new_process_and_weights_loaded_from_scratch(
-    process: str | None, loaded: bool, why: str
+    process: ProcessIdentity | None, loaded: bool, why: str
 ) -> None:
     """Audit finding (issue 11, High): a replica tainted mid-transfer was published READY again
     on the same process with no reload. I6: recovery proves a new process and a fresh load."""
     lc = advance(walk(S.UPDATING), StepFailed("transfer", FailureKind.AMBIGUOUS, "hung"))
-    assert lc.process == "p0"
+    assert lc.process == P0
     lc = advance(lc, RecoveryStarted("restart"))
     ev = BootstrapEvidence(
         G0,
@@ -190,3 +192,42 @@ def test_drain_target_must_be_newer() -> None:
     lc = walk(S.READY)
     with pytest.raises(PostconditionFailed):
         advance(lc, DrainRequested(G0, "id0"))
+
+
+@pytest.mark.parametrize(
+    ("new", "replaces"),
+    [
+        (ProcessIdentity("e1", "a1"), True),  # both say: another process
+        (ProcessIdentity("e1", None), False),  # the provider cannot say so any more
+        (ProcessIdentity("e1", "a0"), False),  # the provider still runs the tainted one
+        (ProcessIdentity("e0", "a1"), False),  # the engine still reports the tainted one
+    ],
+)
+def test_a_new_process_needs_the_engine_and_the_provider_to_say_so(
+    new: ProcessIdentity, replaces: bool
+) -> None:
+    """I6 with a replica provider (issue 17): a tainted replica whose provider gave its process an
+    identity (Ray actor, pod UID, pid + start time) recovers only when the engine *and* the
+    provider both report another process."""
+    tainted = ProcessIdentity("e0", "a0")
+    assert new.replaces(tainted) is replaces
+    lc = Lifecycle(S.RECOVERING, G0, "id0", process=tainted)
+    ev = BootstrapEvidence(
+        G0, "id0", "0.32.0", valid(G0, label="g0"), completion_ok=True, process=new, loaded=True
+    )
+    if replaces:
+        assert advance(lc, ev).process == new
+    else:
+        with pytest.raises(PostconditionFailed, match="no evidence of a new process"):
+            advance(lc, ev)
+
+
+def test_process_identity_round_trips_through_its_stored_form() -> None:
+    both = ProcessIdentity("api-server-started:12.34", "ray-actor:ab12")
+    assert ProcessIdentity.decode(both.encode()) == both
+    assert ProcessIdentity.decode("api-server-started:12.34") == ProcessIdentity(
+        "api-server-started:12.34"
+    )  # a record written before providers had identities
+    assert ProcessIdentity.decode("") is None and ProcessIdentity.decode(None) is None
+    # an engine-only identity is replaced by any other engine process
+    assert ProcessIdentity("e1", "a1").replaces(ProcessIdentity("e0"))

@@ -43,6 +43,7 @@ from pool.evidence import (
     Event,
     FailureKind,
     LabelEvidence,
+    ProcessIdentity,
     RecoveryStarted,
     ResumeEvidence,
     StepFailed,
@@ -102,7 +103,7 @@ class PoolMachine(RuleBasedStateMachine):
             kw.setdefault("generation", after.generation)
             kw.setdefault("identity_digest", after.identity or "")
             kw.setdefault("publish", True)
-            kw.setdefault("process", after.process)
+            kw.setdefault("process", after.process and after.process.encode())
         if before.state is S.READY and after.state is S.DRAINING:
             assert after.target is not None
             kw.setdefault("target", after.target)
@@ -119,7 +120,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.token = self.run(self.lease.acquire())
         for rid in REPLICAS:
             self.run(self.store.register_replica(rid, f"http://{rid}", self.token, capacity=3))
-            ev = BootstrapEvidence(self.gen(0), ident(0), "0.32.0", completion_ok=True, process="p")
+            ev = BootstrapEvidence(
+                self.gen(0), ident(0), "0.32.0", completion_ok=True, process=ProcessIdentity("p")
+            )
             assert self.commit(rid, ev)
 
     # ------------------------------------------------------------------ data plane
@@ -235,7 +238,7 @@ class PoolMachine(RuleBasedStateMachine):
             "0.32.0",
             v,
             completion_ok=completion_ok,
-            process=f"p{self.n}-{rid}" if fresh else tainted_process,
+            process=ProcessIdentity(f"p{self.n}-{rid}") if fresh else tainted_process,
             loaded=fresh,
         )
         recovered = self.commit(rid, ev)

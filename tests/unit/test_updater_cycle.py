@@ -13,6 +13,7 @@ import pytest
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
 from pool.errors import StaleFencingToken
+from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.records import ReplicaReport
 from pool.store import RedisStore
@@ -76,7 +77,9 @@ async def replica_r0(store: RedisStore, engine: VllmEngine) -> tuple[ReplicaHand
     )
     await engine.bootstrap()
     manifest = read_manifest(MODEL)
-    handle = ReplicaHandle("r0", engine, manifest, Lifecycle(S.READY, G0, "id0", process="p"))
+    handle = ReplicaHandle(
+        "r0", engine, manifest, Lifecycle(S.READY, G0, "id0", process=ProcessIdentity("p"))
+    )
     return handle, CycleRunner(store, lease, ReloadTransport(), drain_timeout_s=30)
 
 
