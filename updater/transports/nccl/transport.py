@@ -110,6 +110,7 @@ class _Replica:
     incarnation: int = 0
     group: _Group | None = None
     last: dict[str, Any] = field(default_factory=dict)
+    client: HttpWeightSyncClient | None = None  # the replica's one control client
 
 
 class NcclTransport(Transport):
@@ -182,25 +183,34 @@ class NcclTransport(Transport):
         log.warning("abandoning NCCL group %s (port %d): %s", g.key, g.port, why)
         rep.group = None
         rep.incarnation += 1
+        if rep.client is not None:  # calls still in flight (abandoned) keep only their own
+            rep.client.close()
+            rep.client = None
         with contextlib.suppress(Exception):
             self.sender.abandon(g.key)
 
     def close(self) -> None:
         for rep in self._replicas.values():
             rep.group = None
+            if rep.client is not None:
+                rep.client.close()
         self.sender.close()
 
     def _client(self, url: str) -> HttpWeightSyncClient:
-        """The control client for the replica at ``url``: every HTTP call of a group init or a
-        transfer (this transport's and vLLM's trainer engine's) goes through one made here."""
-        c = self.config
-        return HttpWeightSyncClient(
-            url,
-            timeout_s=c.http_timeout_s,
-            init_timeout_s=c.init_timeout_s,
-            control_timeout_s=c.control_timeout_s,
-            transport=self._http_transport,
-        )
+        """The control client of the replica at ``url``, one per replica for the transport's
+        life (keep-alive; :mod:`~updater.transports.nccl.control`): every HTTP call of a group
+        init or a transfer (this transport's and vLLM's trainer engine's) goes through it."""
+        rep = self._replica(url)
+        if rep.client is None:
+            c = self.config
+            rep.client = HttpWeightSyncClient(
+                url,
+                timeout_s=c.http_timeout_s,
+                init_timeout_s=c.init_timeout_s,
+                control_timeout_s=c.control_timeout_s,
+                transport=self._http_transport,
+            )
+        return rep.client
 
     # -- what to send ------------------------------------------------------------------------
 
