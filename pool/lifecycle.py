@@ -175,7 +175,11 @@ def _validated(lc: Lifecycle, ev: Event) -> Lifecycle:
         raise _refuse(lc, ev, "validated a generation other than the target")
     if not ev.proves_valid:
         same = ev.probe_expected == ev.probe_actual
-        raise _refuse(lc, ev, f"label_ok={ev.label_ok} probe_matches={same} {ev.detail}")
+        raise _refuse(
+            lc,
+            ev,
+            f"label_ok={ev.label_ok} probe_matches={same} checksums={ev.checksums} {ev.detail}",
+        )
     return lc
 
 

@@ -10,7 +10,9 @@ For one replica and one target generation::
     DRAINING -> QUIESCED -> UPDATING            (the store refuses both with active bindings: I2)
     transfer                 under the watchdog deadline (I5)
     UPDATING -> INVALIDATING reset prefix (body checked) + mm + encoder caches
-    INVALIDATING -> VALIDATING  set the label; resume the engine; probe; read the label back
+    INVALIDATING -> VALIDATING  compare the sender's checksums with the replica's (where the
+                             transfer offered them); set the label; resume the engine; probe;
+                             read the label back
     VALIDATING -> RESUMING -> READY(g+1)        publishes g+1 if it is the first replica on it
 
 Validation runs while the replica is *closed to admissions* (store state VALIDATING: routers
@@ -40,10 +42,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from pool.checksum import compare as compare_checksums
+from pool.checksum import from_json as checksums_from_json
 from pool.engine import VllmEngine
 from pool.errors import LifecycleError, RolloutPoolError, StoreConflict
 from pool.evidence import (
     BootstrapEvidence,
+    ChecksumEvidence,
     DrainEvidence,
     DrainRequested,
     Event,
@@ -52,6 +57,7 @@ from pool.evidence import (
     RecoveryStarted,
     ResumeEvidence,
     StepFailed,
+    TransferEvidence,
     TransferStarted,
     UpdateCancelled,
     ValidationEvidence,
@@ -310,9 +316,7 @@ class CycleRunner:
                 await self.commit(h, reset)
             step = "validate"
             with timer("validate"):
-                valid = await bounded(
-                    "validate", self.validate(h, t.generation, t.probe), d.validate_s, mutating=True
-                )
+                valid = await self._validate(h, t.generation, t.probe, ev, timer)
                 await self.commit(h, valid)
             step = "resume"
             with timer("resume"):
@@ -350,6 +354,57 @@ class CycleRunner:
                     h.replica_id, f"drain timeout {self.drain_timeout_s:g}s (policy=abort)"
                 )
             await asyncio.sleep(self.drain_poll_s)
+
+    async def _validate(
+        self,
+        h: ReplicaHandle,
+        gen: Generation,
+        probe: Probe,
+        transfer: TransferEvidence | None,
+        timer: _Timer,
+    ) -> ValidationEvidence:
+        """The VALIDATING step: where the transfer offered the sender's checksums, the replica's
+        are compared first (phase ``checksum``; a difference ends validation there, the engine
+        never resumed on those weights), then :attr:`validate` (probe, label)."""
+        d = self.deadlines
+        sums = None
+        if transfer is not None and transfer.checksums is not None:
+            with timer("checksum"):
+                sums = await bounded(
+                    "checksum", self.verify_checksums(h, transfer), d.validate_s, mutating=True
+                )
+            if not sums.proves_equal:
+                return ValidationEvidence(gen, LabelEvidence(False, None), (), (), checksums=sums)
+        valid = await bounded("validate", self.validate(h, gen, probe), d.validate_s, mutating=True)
+        return valid if sums is None else replace(valid, checksums=sums)
+
+    async def verify_checksums(
+        self, h: ReplicaHandle, transfer: TransferEvidence
+    ) -> ChecksumEvidence:
+        """The replica's checksums over its runtime parameters (the worker extension's
+        ``rolloutpool_checksums``, :mod:`pool.replica_extension`) against the sender's. A
+        replica that cannot answer (no extension loaded, an error) yields evidence with
+        ``error`` set, which does not prove equality."""
+        expected = transfer.checksums or {}
+        t0 = time.monotonic()
+        try:
+            rpc = await h.engine.collective_rpc(
+                "rolloutpool_checksums", timeout_s=self.deadlines.validate_s
+            )
+            if len(rpc.results) != 1 or not isinstance(rpc.results[0], dict):
+                raise ValueError(f"one result per worker expected, got {rpc.results!r:.200}")
+            actual = checksums_from_json(rpc.results[0].get("checksums"))
+        except Exception as e:
+            return compare_checksums(
+                expected,
+                {},
+                sender_s=transfer.checksum_s,
+                replica_s=time.monotonic() - t0,
+                error=f"{type(e).__name__}: {e}"[:500],
+            )
+        return compare_checksums(
+            expected, actual, sender_s=transfer.checksum_s, replica_s=time.monotonic() - t0
+        )
 
     async def probe_validate(
         self, h: ReplicaHandle, gen: Generation, probe: Probe
@@ -390,6 +445,7 @@ class CycleRunner:
         timer = _Timer(report)
         d = self.deadlines
         step = "bootstrap"
+        loaded: TransferEvidence | None = None
         try:
             with timer("bootstrap"):
                 caps = await bounded("bootstrap", h.engine.bootstrap(), d.resume_s, mutating=False)
@@ -407,14 +463,14 @@ class CycleRunner:
                         mutating=False,
                     )
                     await bounded("pause", h.engine.pause("wait"), d.pause_s, mutating=True)
-                    ev = await bounded(
+                    loaded = await bounded(
                         "transfer",
                         self.transport.transfer(h.engine, target),
                         d.transfer_s,
                         mutating=True,
                     )
-                    if not ev.ok:
-                        raise LifecycleError(f"transfer failed: {ev.detail}")
+                    if not loaded.ok:
+                        raise LifecycleError(f"transfer failed: {loaded.detail}")
             step = "invalidate"
             with timer("invalidate"):
                 reset = await bounded(
@@ -424,9 +480,7 @@ class CycleRunner:
                     raise LifecycleError(f"cache reset not proven: {reset.detail}")
             step = "validate"
             with timer("validate"):
-                valid = await bounded(
-                    "validate", self.validate(h, generation, probe), d.validate_s, mutating=True
-                )
+                valid = await self._validate(h, generation, probe, loaded, timer)
             if (await h.engine.metrics(timeout_s=d.resume_s)).process != process:
                 raise LifecycleError("the server process changed during the bootstrap")
             ev_boot = BootstrapEvidence(
