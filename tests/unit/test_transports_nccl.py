@@ -124,6 +124,8 @@ class FakeServer:
         self, version: str = "0.26.0", paused: bool = True, fail: dict[str, int] | None = None
     ) -> None:
         self.version, self.paused, self.fail = version, paused, fail or {}
+        #: what the worker extension reports (None: no extension loaded)
+        self.layout: dict[str, Any] | None = {s.name: [s.dtype, list(s.shape)] for s in SPECS}
         self.requests: list[tuple[str, str, Any]] = []
         self.init_seen, self.update_seen = threading.Event(), threading.Event()
         self.data_sent, self.release = threading.Event(), threading.Event()
@@ -166,12 +168,21 @@ class FakeServer:
         if path == "/init_weight_transfer_engine":
             self.init_seen.set()
             return httpx.Response(200, json={"message": "Weight transfer initialized"})
-        if path == "/update_weights":
+        if path == "/update_weights" or (
+            path == "/collective_rpc" and body["method"] == "rolloutpool_direct_receive"
+        ):
             self.update_seen.set()
             if not self.data_sent.wait(5):  # the broadcast never came: vLLM would hang
                 self.release.wait(30)
                 return httpx.Response(500, json={"error": "released"})
-            return httpx.Response(200, json={"message": "Weights updated"})
+            n = len(json.loads(body["kwargs"]["names"])) if path == "/collective_rpc" else 0
+            return httpx.Response(200, json={"message": "ok", "results": [{"received": n}]})
+        if path == "/collective_rpc":  # the worker extension (pool.replica_extension)
+            if self.layout is None:
+                return httpx.Response(500, json={"error": "Worker has no attribute"})
+            if body["method"] == "rolloutpool_direct_init":
+                self.init_seen.set()
+            return httpx.Response(200, json={"results": [{"layout": self.layout}]})
         return httpx.Response(200, json={"message": "ok"})
 
 

@@ -179,9 +179,7 @@ class HttpWeightSyncClient:
             out = {}
         return out if isinstance(out, dict) else {"body": out}
 
-    def collective_rpc(
-        self, method: str, kwargs: Mapping[str, Any], *, timeout_s: float
-    ) -> list[Any]:
+    def collective_rpc(self, method: str, kwargs: Mapping[str, Any], timeout_s: float) -> list[Any]:
         """``POST /collective_rpc``: ``method`` on every worker (a worker-extension method), its
         keyword arguments sent as JSON strings (vLLM passes only strings through); returns the
         per-worker results. An empty or malformed answer raises :class:`HttpStepError`."""
