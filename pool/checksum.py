@@ -26,8 +26,9 @@ it defends against transfer and loading faults, not against an adversary.
   tensor, per-block partial sums), falling back to torch ops when Triton is missing;
 * :func:`tensor_checksums` with a CPU tensor — numpy over the tensor's memory.
 
-``torch``, ``triton`` and ``numpy`` are imported on first use, never at module load: the worker
-extension imports this module inside vLLM's worker, the updater on machines without torch.
+``torch``, ``triton`` and ``numpy`` are imported on first use, never at module load (nor
+pydantic): the worker extension imports this module inside vLLM's worker, the updater on
+machines without torch.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pool.evidence import ChecksumEvidence
+if TYPE_CHECKING:
+    from pool.evidence import ChecksumEvidence
 
 __all__ = [
     "MODULUS",
@@ -230,6 +232,8 @@ def compare(
     be reported with equal dtype, shape and sums, and the replica must report no other name
     (a parameter nobody sent holds weights nobody vouches for). Up to ``limit`` names of each
     kind of difference are kept."""
+    from pool.evidence import ChecksumEvidence  # (pool.types needs pydantic; the extension not)
+
     mismatched = sorted(n for n in expected.keys() & actual.keys() if expected[n] != actual[n])
     missing = sorted(expected.keys() - actual.keys())
     unexpected = sorted(actual.keys() - expected.keys())

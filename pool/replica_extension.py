@@ -142,41 +142,49 @@ class WeightExtension:
 
     # -- the direct receive (GPU) ----------------------------------------------------------------
 
+    def _rolloutpool_comms(self) -> dict[str, Any]:
+        comms: dict[str, Any] | None = getattr(self, "_rolloutpool_groups", None)
+        if comms is None:
+            comms = {}
+            self._rolloutpool_groups = comms
+        return comms
+
     def rolloutpool_direct_init(
         self, master_address: str, master_port: str, world_size: str, rank_offset: str
     ) -> dict[str, Any]:
         """Join the sender's NCCL group (the sender is rank 0 and hosts the rendezvous store at
-        ``master_address:master_port``); a group held before is aborted first. Blocks until
-        every rank joined (vLLM's store timeout, 300 s, bounds the rendezvous)."""
+        ``master_address:master_port``, which also names the group here; a group held under
+        that name is aborted first). Groups of several senders may coexist. Blocks until every
+        rank joined (vLLM's store timeout, 300 s, bounds the rendezvous)."""
         self._rolloutpool_check_single()
         torch = _torch()
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        self.rolloutpool_direct_close()
+        host, port = json.loads(master_address), int(json.loads(master_port))
+        group = f"{host}:{port}"
+        self.rolloutpool_direct_close(json.dumps(group))
         t0 = time.perf_counter()
         rank = int(json.loads(rank_offset)) + int(getattr(self, "rank", 0))
         pg = StatelessProcessGroup.create(
-            host=json.loads(master_address),
-            port=int(json.loads(master_port)),
-            rank=rank,
-            world_size=int(json.loads(world_size)),
+            host=host, port=port, rank=rank, world_size=int(json.loads(world_size))
         )
         device = torch.device("cuda", torch.cuda.current_device())
-        self._rolloutpool_comm: Any = PyNcclCommunicator(pg, device=device)
-        return {"rank": rank, "init_s": time.perf_counter() - t0}
+        self._rolloutpool_comms()[group] = PyNcclCommunicator(pg, device=device)
+        return {"group": group, "rank": rank, "init_s": time.perf_counter() - t0}
 
-    def rolloutpool_direct_receive(self, names: str) -> dict[str, Any]:
+    def rolloutpool_direct_receive(self, group: str, names: str) -> dict[str, Any]:
         """Receive ``names`` (a JSON list of ``[checkpoint name, dtype, shape]`` in the
-        sender's order) by one NCCL broadcast each, straight into the runtime parameters.
-        Every name is resolved to a contiguous view of equal dtype and shape *before* the first
-        broadcast (a refusal leaves the weights untouched, and the sender's broadcast stuck
-        until the sender abandons the group). Blocks until all data arrived."""
+        sender's order) over ``group`` (``"address:port"`` of its init) by one NCCL broadcast
+        each, straight into the runtime parameters. Every name is resolved to a contiguous
+        view of equal dtype and shape *before* the first broadcast (a refusal leaves the
+        weights untouched, and the sender's broadcast stuck until the sender abandons the
+        group). Blocks until all data arrived."""
         self._rolloutpool_check_single()
         torch = _torch()
-        comm = getattr(self, "_rolloutpool_comm", None)
+        comm = self._rolloutpool_comms().get(json.loads(group))
         if comm is None:
-            raise RuntimeError("rolloutpool_direct_init first")
+            raise RuntimeError(f"no group {json.loads(group)!r}: rolloutpool_direct_init first")
         plan = json.loads(names)
         views = runtime_views(self._rolloutpool_model(), writable=True)
         dsts = []
@@ -197,10 +205,12 @@ class WeightExtension:
         nbytes = sum(v.numel() * v.element_size() for v in dsts)
         return {"received": len(dsts), "bytes": nbytes, "receive_s": time.perf_counter() - t0}
 
-    def rolloutpool_direct_close(self) -> dict[str, Any]:
-        """Drop the group joined by :meth:`rolloutpool_direct_init` (``ncclCommAbort``)."""
-        comm = getattr(self, "_rolloutpool_comm", None)
-        self._rolloutpool_comm = None
-        if comm is not None:
-            comm.destroy()
-        return {"closed": comm is not None}
+    def rolloutpool_direct_close(self, group: str = "null") -> dict[str, Any]:
+        """Drop a group joined by :meth:`rolloutpool_direct_init` (``ncclCommAbort``): the one
+        named ``group``, or every one (``null``)."""
+        comms = self._rolloutpool_comms()
+        name = json.loads(group)
+        closing = list(comms) if name is None else [name] if name in comms else []
+        for key in closing:
+            comms.pop(key).destroy()
+        return {"closed": closing}

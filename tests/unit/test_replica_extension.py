@@ -143,8 +143,8 @@ def test_rpc_methods_answer_json_per_checkpoint_name() -> None:
     assert from_json(got["checksums"]) == tensor_checksums(ckpt.items())
     assert got["elapsed_s"] >= 0
     with pytest.raises(RuntimeError, match="direct_init first"):
-        worker.rolloutpool_direct_receive(json.dumps([]))
-    assert worker.rolloutpool_direct_close() == {"closed": False}
+        worker.rolloutpool_direct_receive(json.dumps("127.0.0.1:1"), json.dumps([]))
+    assert worker.rolloutpool_direct_close() == {"closed": []}
     sharded = worker_class()(runtime(ckpt, repacked=True), tp=2)
     with pytest.raises(RuntimeError, match="TP=2"):
         sharded.rolloutpool_checksums()

@@ -103,7 +103,7 @@ async def test_direct_handshake_checksums_and_group_reuse() -> None:
             "rolloutpool_direct_init",
             {"master_address": "10.0.0.7", "master_port": 31000, "world_size": 2, "rank_offset": 1},
         ),
-        ("rolloutpool_direct_receive", {"names": names}),
+        ("rolloutpool_direct_receive", {"group": "10.0.0.7:31000", "names": names}),
     ]
     key = "http://replica.test#0"
     assert sender.commands[0] == DirectInit(Rendezvous(key, "10.0.0.7", 31000, 2))

@@ -133,7 +133,7 @@ class NcclDirectTransport(NcclTransport):
             _spawn(
                 client.collective_rpc,
                 "rolloutpool_direct_receive",
-                {"names": names},
+                {"group": f"{self.config.master_address}:{g.port}", "names": names},
                 self.config.http_timeout_s,
                 name=f"nccl-direct-receive-{g.key}",
             ),
