@@ -455,25 +455,28 @@ async def phase_negative(env: Env, refs: Refs) -> None:
 
 
 async def phase_restart(env: Env, refs: Refs) -> None:
+    """Restart-to-serving of the last replica started, then its recovery over nccl_direct."""
     res = env.result
     direct, r_direct = res["_direct"], res["_r_direct"]
-    h = env.handles["r1"]
+    rid = sorted(env.handles)[-1]
+    h = env.handles[rid]
     g = res["g_latest"] - 1 if res.get("negative_controls") else res["g_latest"]
     new_generation(env, refs, g)
-    if (await env.store.replica("r1")).state.value != "TAINTED":
+    if (await env.store.replica(rid)).state.value != "TAINTED":
         await r_direct._taint(h, "planned restart", RuntimeError("restart measurement"))
     await r_direct.start_recovery(h, "restart measurement")
     t0 = now()
-    await env.replicas["r1"].stop()
+    await env.replicas[rid].stop()
     stop_s = now() - t0
-    env.replicas["r1"]._proc = None
-    start_s = await env.replicas["r1"].start()
+    env.replicas[rid]._proc = None
+    start_s = await env.replicas[rid].start()
     direct.forget(h.engine.url)
     boot = await r_direct.bootstrap(
         h, gen(g), identity(env, g), target(env, g).probe, checkpoint=Path(f"/x/g{g}")
     )
     windows = [r["window_s"] for r in res.get("ab", {}).get("nccl_direct", []) if r.get("window_s")]
     res["restart"] = {
+        "replica": rid,
         "stop_s": round(stop_s, 2),
         "start_to_serving_s": round(start_s, 2),
         "recovery": boot.model_dump(mode="json"),
@@ -485,10 +488,33 @@ async def phase_restart(env: Env, refs: Refs) -> None:
 
 # ------------------------------------------------------------------------------ main
 
+QWEN3_32B = {  # Qwen3-32B's published shapes (65.5 GB in bf16)
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+
+
+def ensure_model_dir(path: Path) -> None:
+    """``qwen3-32b-shape``: the bundle's 8B-shape directory (tokenizer, config) with the
+    32B shapes written into its config; other models must exist already."""
+    if path.exists() or path.name != "qwen3-32b-shape":
+        return
+    import shutil
+
+    shutil.copytree(path.parent / "qwen3-8b-shape", path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(QWEN3_32B)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work)
     os.makedirs(work, exist_ok=True)
+    ensure_model_dir(Path(args.model))
     env = Env(
         args,
         {"phases": args.phases, "model": args.model, "gpu": gpu_info(), "argv": sys.argv},
