@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -46,6 +47,7 @@ from typing import Any
 import httpx
 
 from bench.gpu_update import (
+    SERVED,
     TF_MAX_TOL,
     TF_MEAN_TOL,
     Env,
@@ -64,7 +66,6 @@ from bench.gpu_update import (
     start_replicas_with_trainer,
     target,
     verify_rollouts,
-    vllm_prompt_logprobs,
 )
 from pool.evidence import LabelEvidence, ValidationEvidence
 from pool.types import Generation, TensorSpec
@@ -101,14 +102,37 @@ class Refs:
 
     async def check(self, url: str, g: int, salt: str) -> dict[str, Any]:
         refs = self.by_gen[g]
-        got = await asyncio.gather(
-            *(vllm_prompt_logprobs(self.client, url, s, salt) for s in self.trainer.ref_seqs)
-        )
+        got = await prompt_logprobs_batch(self.client, url, self.trainer.ref_seqs, salt)
         stats = [diff_stats(r, v) for r, v in zip(refs, got, strict=True)]
         mean = max(s["mean"] for s in stats)
         mx = max(s["max"] for s in stats)
         ok = all(s["nan"] == 0 for s in stats) and mean <= TF_MEAN_TOL and mx <= TF_MAX_TOL
         return {"ok": ok, "generation": g, "mean_abs": round(mean, 4), "max_abs": round(mx, 4)}
+
+
+async def prompt_logprobs_batch(
+    client: httpx.AsyncClient, url: str, seqs: list[list[int]], salt: str
+) -> list[list[float]]:
+    """vLLM's prompt log-probs of each sequence's own tokens, all sequences in one request."""
+    r = await client.post(
+        f"{url}/v1/completions",
+        json={
+            "model": SERVED,
+            "prompt": seqs,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "cache_salt": salt,
+        },
+    )
+    r.raise_for_status()
+    out: list[list[float]] = [[] for _ in seqs]
+    for choice in r.json()["choices"]:
+        ids, pl = seqs[choice["index"]], choice["prompt_logprobs"]
+        for i in range(1, len(ids)):
+            e = (pl[i] or {}).get(str(ids[i]))
+            out[choice["index"]].append(float(e["logprob"]) if e else math.nan)
+    return out
 
 
 def make_runner(env: Env, transport: Any, refs: Refs, transfer_s: float = 60.0) -> Any:
@@ -181,6 +205,11 @@ async def phase_ab(env: Env, refs: Refs) -> None:
     a, res = env.args, env.result
     starts = await start_replicas_with_trainer(env, ["r0"])
     res["cold_start_s"] = round(starts["r0"], 1)
+    if a.replicas > 1:  # before any transfer: the replicas share GPU 1, profiled one by one
+        try:
+            res["r1_start_s"] = round(await start_replica(env, "r1"), 1)
+        except Exception as e:
+            res["r1_start_error"] = f"{type(e).__name__}: {e}"[:3000]
     trainer = env.trainer
     assert trainer is not None
     refs.trainer = trainer
@@ -245,6 +274,13 @@ async def phase_ab(env: Env, refs: Refs) -> None:
     env.save()
     if "nccl_direct" not in paths:
         raise RuntimeError("nccl_direct failed: the phases after ab need it")
+    if "r1" in env.handles:  # r1 joins on the current generation, over nccl_direct
+        t0 = now()
+        boot = await r_direct.bootstrap(
+            env.handles["r1"], gen(g), identity(env, g), target(env, g).probe, Path(f"/x/g{g}")
+        )
+        res["r1_bootstrap"] = {"report": boot.model_dump(mode="json"), "wall_s": now() - t0}
+        env.save()
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -297,17 +333,8 @@ async def phase_staging(env: Env, refs: Refs) -> None:
     g = res["g_latest"]
     for n in (1, 2):
         rids = ["r0", "r1"][:n]
-        if n == 2 and "r1" not in env.handles:
-            out["r1_start_s"] = round(await start_replica(env, "r1"), 1)
-            new_generation(env, refs, g)  # r1 joins on the current generation
-            boot = await r_direct.bootstrap(
-                env.handles["r1"],
-                gen(g),
-                identity(env, g),
-                target(env, g).probe,
-                checkpoint=Path(f"/x/g{g}"),
-            )
-            out["r1_bootstrap"] = boot.model_dump(mode="json")
+        if n > len(env.handles):
+            break
         staged_rows, inproc_rows = [], []
         for _ in range(a.stage_reps):
             g += 1
@@ -324,6 +351,7 @@ async def phase_staging(env: Env, refs: Refs) -> None:
                     "cycles": cycles,
                 }
             )
+            res["g_latest"] = g
             g += 1
             new_generation(env, refs, g)
             t0 = now()  # in process: the trainer may not touch its weights until the roll ends
@@ -331,6 +359,7 @@ async def phase_staging(env: Env, refs: Refs) -> None:
             inproc_rows.append(
                 {"generation": g, "trainer_stall_s": round(now() - t0, 4), "cycles": cycles}
             )
+            res["g_latest"] = g
         out[f"n{n}"] = {
             "replicas": n,
             "staged": staged_rows,
@@ -365,10 +394,11 @@ async def phase_rolling(env: Env, refs: Refs) -> None:
         for row in await roll(env, r_direct, direct, rids, g):
             updates.append(row)
             await asyncio.sleep(a.settle_s)
+        res["g_latest"] = g
     await asyncio.sleep(a.settle_s)
     await load.finish()
     res["g_latest"] = g
-    ver = await verify_rollouts(env, load.records, list(range(g0, g + 1)))
+    ver = await verify_rollouts(env, load.records, list(range(g0 - 1, g + 1)))
     res["rolling"] = {
         "replicas": 2,
         "transport": "nccl_direct",
@@ -596,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nccl-bw", default="/tmp/stage/nccl_bw.py")
     ap.add_argument("--nccl-port", type=int, default=29555)
     ap.add_argument("--replica-gpu", default="1")
-    ap.add_argument("--gpu-util", type=float, default=0.4)
+    ap.add_argument("--gpu-util", type=float, default=0.3)
+    ap.add_argument("--replicas", type=int, default=2, choices=(1, 2))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--buffer-mb", type=int, default=1024)

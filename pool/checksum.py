@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MODULUS",
     "Checksum",
+    "Pending",
     "compare",
     "from_json",
     "tensor_checksums",
@@ -143,24 +144,43 @@ def tensor_checksums(
     the end; the caller must keep the tensors unchanged until this returns. ``use_triton``:
     None = Triton when importable, else torch ops."""
     torch = _torch()
-    meta: list[tuple[str, str, tuple[int, ...]]] = []
-    parts: list[Any] = []  # per tensor: a (2,) int64 device tensor, or a host tuple
+    pending = Pending(use_triton)
     ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
     with ctx:
         for name, t in named:
-            meta.append((name, _dtype_name(t.dtype), tuple(int(d) for d in t.shape)))
-            words = _words(torch, t)
-            if words.device.type == "cpu":
-                parts.append(_np_sums(_np(), words.numpy()))
-            else:
-                parts.append(_device_sums(torch, words, use_triton))
-        device = [p for p in parts if not isinstance(p, tuple)]
+            pending.add(name, t)
+        return pending.collect()
+
+
+class Pending:
+    """Checksums queued tensor by tensor (:meth:`add`, which only launches kernels on the
+    current CUDA stream), read back by :meth:`collect` (one host sync). Lets a receiver
+    checksum each tensor right after it landed, on a stream of its own."""
+
+    def __init__(self, use_triton: bool | None = None) -> None:
+        self.use_triton = use_triton
+        self._meta: list[tuple[str, str, tuple[int, ...]]] = []
+        self._parts: list[Any] = []  # per tensor: a (2,) int64 device tensor, or a host tuple
+
+    def add(self, name: str, t: Any) -> None:
+        torch = _torch()
+        self._meta.append((name, _dtype_name(t.dtype), tuple(int(d) for d in t.shape)))
+        words = _words(torch, t)
+        if words.device.type == "cpu":
+            self._parts.append(_np_sums(_np(), words.numpy()))
+        else:
+            self._parts.append(_device_sums(torch, words, self.use_triton))
+
+    def collect(self) -> dict[str, Checksum]:
+        """The checksums of everything added (waits for the kernels of the current stream)."""
+        torch = _torch()
+        device = [p for p in self._parts if not isinstance(p, tuple)]
         host = iter(torch.stack(device).cpu().tolist()) if device else iter(())
-    out: dict[str, Checksum] = {}
-    for (name, dtype, shape), p in zip(meta, parts, strict=True):
-        plain, weighted = p if isinstance(p, tuple) else next(host)
-        out[name] = Checksum(dtype, shape, int(plain), int(weighted))
-    return out
+        out: dict[str, Checksum] = {}
+        for (name, dtype, shape), p in zip(self._meta, self._parts, strict=True):
+            plain, weighted = p if isinstance(p, tuple) else next(host)
+            out[name] = Checksum(dtype, shape, int(plain), int(weighted))
+        return out
 
 
 class _nullcontext:

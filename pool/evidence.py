@@ -91,7 +91,9 @@ class TransferEvidence:
 
     ``checksums``: the sender's :class:`pool.checksum.Checksum` per checkpoint tensor name,
     computed while sending (None: this transport offers none); validation then requires the
-    replica's to be equal. ``checksum_s``: what computing them cost the sender."""
+    replica's to be equal. ``checksum_s``: what computing them cost the sender.
+    ``replica_checksums``: the replica's, where its receive computed them over its runtime
+    parameters as the data landed (None: validation asks the replica for them)."""
 
     transport: str
     identity_digest: str
@@ -101,6 +103,7 @@ class TransferEvidence:
     detail: str = ""
     checksums: Mapping[str, Checksum] | None = None
     checksum_s: float = 0.0
+    replica_checksums: Mapping[str, Checksum] | None = None
 
 
 @dataclass(frozen=True)

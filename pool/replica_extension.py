@@ -43,7 +43,7 @@ import json
 import time
 from typing import Any
 
-from pool.checksum import tensor_checksums, to_json
+from pool.checksum import Pending, tensor_checksums, to_json
 
 __all__ = ["WeightExtension", "runtime_views"]
 
@@ -173,13 +173,21 @@ class WeightExtension:
         self._rolloutpool_comms()[group] = PyNcclCommunicator(pg, device=device)
         return {"group": group, "rank": rank, "init_s": time.perf_counter() - t0}
 
-    def rolloutpool_direct_receive(self, group: str, names: str) -> dict[str, Any]:
+    def rolloutpool_direct_receive(
+        self, group: str, names: str, checksums: str = "false"
+    ) -> dict[str, Any]:
         """Receive ``names`` (a JSON list of ``[checkpoint name, dtype, shape]`` in the
         sender's order) over ``group`` (``"address:port"`` of its init) by one NCCL broadcast
         each, straight into the runtime parameters. Every name is resolved to a contiguous
         view of equal dtype and shape *before* the first broadcast (a refusal leaves the
         weights untouched, and the sender's broadcast stuck until the sender abandons the
-        group). Blocks until all data arrived."""
+        group). Blocks until all data arrived.
+
+        ``checksums`` (JSON ``true``): also the :mod:`pool.checksum` checksums of every
+        parameter received, each computed over the runtime view right after its data landed
+        (on a second stream, ordered after that broadcast by an event, so it overlaps the
+        rest of the transfer), returned under ``"checksums"``: the replica's side of the
+        comparison without a second call in the paused window."""
         self._rolloutpool_check_single()
         torch = _torch()
         comm = self._rolloutpool_comms().get(json.loads(group))
@@ -197,13 +205,26 @@ class WeightExtension:
                 raise RuntimeError(f"{name}: runtime {got} contiguous={view.is_contiguous()}")
             dsts.append(view)
         stream = torch.cuda.current_stream()
+        pending = Pending() if json.loads(checksums) else None
+        sum_stream = torch.cuda.Stream() if pending is not None else None
         t0 = time.perf_counter()
         with torch.no_grad():
-            for view in dsts:
+            for (name, _, _), view in zip(plan, dsts, strict=True):
                 comm.broadcast(view, src=0, stream=stream)
+                if pending is not None and sum_stream is not None:
+                    landed = torch.cuda.Event()
+                    landed.record(stream)
+                    sum_stream.wait_event(landed)
+                    with torch.cuda.stream(sum_stream):
+                        pending.add(name, view)
         stream.synchronize()
-        nbytes = sum(v.numel() * v.element_size() for v in dsts)
-        return {"received": len(dsts), "bytes": nbytes, "receive_s": time.perf_counter() - t0}
+        out: dict[str, Any] = {"received": len(dsts), "receive_s": time.perf_counter() - t0}
+        out["bytes"] = sum(v.numel() * v.element_size() for v in dsts)
+        if pending is not None and sum_stream is not None:
+            with torch.cuda.stream(sum_stream):
+                out["checksums"] = to_json(pending.collect())
+            out["checksum_wait_s"] = time.perf_counter() - t0 - out["receive_s"]
+        return out
 
     def rolloutpool_direct_close(self, group: str = "null") -> dict[str, Any]:
         """Drop a group joined by :meth:`rolloutpool_direct_init` (``ncclCommAbort``): the one

@@ -381,11 +381,16 @@ class CycleRunner:
     async def verify_checksums(
         self, h: ReplicaHandle, transfer: TransferEvidence
     ) -> ChecksumEvidence:
-        """The replica's checksums over its runtime parameters (the worker extension's
-        ``rolloutpool_checksums``, :mod:`pool.replica_extension`) against the sender's. A
-        replica that cannot answer (no extension loaded, an error) yields evidence with
-        ``error`` set, which does not prove equality."""
+        """The replica's checksums over its runtime parameters against the sender's: those its
+        receive reported (``transfer.replica_checksums``), else the worker extension's
+        ``rolloutpool_checksums`` now (:mod:`pool.replica_extension`). A replica that cannot
+        answer (no extension loaded, an error) yields evidence with ``error`` set, which does
+        not prove equality."""
         expected = transfer.checksums or {}
+        if transfer.replica_checksums is not None:
+            return compare_checksums(
+                expected, transfer.replica_checksums, sender_s=transfer.checksum_s
+            )
         t0 = time.monotonic()
         try:
             rpc = await h.engine.collective_rpc(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pool.checksum import Checksum, to_json
+from pool.checksum import Checksum, compare, to_json
 from pool.errors import AmbiguousMutation, DeadlineExceeded, PreflightFailed
 from pool.types import TensorSpec
 from tests.unit.test_transports_nccl import SPECS, FakeSender, FakeServer, SpecSource, target
@@ -89,7 +89,8 @@ async def test_direct_handshake_checksums_and_group_reuse() -> None:
     await transport.preflight(engine, target())
     ev = await transport.transfer(engine, target())
     assert ev.ok and ev.transport == "nccl_direct" and ev.checksums == SUMS
-    assert ev.checksum_s == 0.002
+    assert ev.replica_checksums == SUMS and ev.checksum_s == 0.002
+    assert compare(ev.checksums, ev.replica_checksums).proves_equal
     assert server.paths()[2:] == [
         "POST /collective_rpc",  # layout (preflight)
         "GET /is_paused",
@@ -103,13 +104,21 @@ async def test_direct_handshake_checksums_and_group_reuse() -> None:
             "rolloutpool_direct_init",
             {"master_address": "10.0.0.7", "master_port": 31000, "world_size": 2, "rank_offset": 1},
         ),
-        ("rolloutpool_direct_receive", {"group": "10.0.0.7:31000", "names": names}),
+        (
+            "rolloutpool_direct_receive",
+            {"group": "10.0.0.7:31000", "names": names, "checksums": True},
+        ),
     ]
     key = "http://replica.test#0"
     assert sender.commands[0] == DirectInit(Rendezvous(key, "10.0.0.7", 31000, 2))
     send = sender.commands[1]
     assert isinstance(send, DirectSend) and send.wire == tuple(s.name for s in SPECS)
     assert transport.last["http://replica.test"]["receive"] == {"received": 3}
+    server.flip = SPECS[1].name  # a bit that changed on the way: the comparison fails
+    server.rearm()
+    flipped = await transport.transfer(engine, target())
+    assert flipped.checksums is not None and flipped.replica_checksums is not None
+    assert compare(flipped.checksums, flipped.replica_checksums).examples == (SPECS[1].name,)
     server.rearm()
     server.requests.clear()
     await transport.transfer(engine, target())
@@ -136,7 +145,10 @@ async def test_a_cut_plan_still_carries_every_checksum() -> None:
     )
     ev = await cut.transfer(engine, target())
     [(_, receive)] = [r for r in rpcs(server) if r[0] == "rolloutpool_direct_receive"]
-    assert len(receive["names"]) == 2 and ev.checksums == SUMS  # the validator sees the gap
+    assert len(receive["names"]) == 2 and ev.checksums == SUMS
+    assert ev.replica_checksums is not None
+    gap = compare(ev.checksums, ev.replica_checksums)  # the validator sees the gap
+    assert (gap.missing, gap.examples) == (1, (SPECS[2].name,))
     await engine.aclose()
 
 

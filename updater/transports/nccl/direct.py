@@ -20,9 +20,11 @@ so the data lands where the kernels read it. Per transfer there is one HTTP call
    concurrently with the sender joining as rank 0 (vLLM's ``StatelessProcessGroup`` +
    ``PyNcclCommunicator``);
 3. transfer: ``rolloutpool_direct_receive(names)`` on the server, concurrently with the
-   sender's broadcasts (:meth:`~updater.transports.nccl.senders.SenderCore.direct_send`), which
-   also checksums every tensor it was given on a second stream; the evidence carries those
-   checksums and the cycle runner compares them with the replica's in VALIDATING.
+   sender's broadcasts (:meth:`~updater.transports.nccl.senders.SenderCore.direct_send`).
+   Both sides checksum every tensor on a second stream while the data moves (the sender what
+   it was given, the replica each runtime view right after its data landed); the evidence
+   carries both and the cycle runner compares them in VALIDATING (no second call to the
+   replica in the paused window).
 
 Failure classes, deadlines, abandoned groups and ports are those of the ``nccl`` transport
 (:mod:`.transport`): anything after the receive began is ambiguous. vLLM's own path stays the
@@ -124,7 +126,7 @@ class NcclDirectTransport(NcclTransport):
         specs: list[TensorSpec],
         packing: Packing,
         timings: dict[str, Any],
-    ) -> dict[str, Checksum]:
+    ) -> tuple[dict[str, Checksum], dict[str, Checksum] | None]:
         plan = self._plan(specs)
         names = [[s.name, s.dtype, list(s.shape)] for s in plan]
         client = self._client(url)
@@ -133,7 +135,11 @@ class NcclDirectTransport(NcclTransport):
             _spawn(
                 client.collective_rpc,
                 "rolloutpool_direct_receive",
-                {"group": f"{self.config.master_address}:{g.port}", "names": names},
+                {
+                    "group": f"{self.config.master_address}:{g.port}",
+                    "names": names,
+                    "checksums": True,
+                },
                 self.config.http_timeout_s,
                 name=f"nccl-direct-receive-{g.key}",
             ),
@@ -148,5 +154,7 @@ class NcclDirectTransport(NcclTransport):
         timings["step"] = "done"
         sums = from_json(sent.pop("checksums"))
         timings.update(sent)
-        timings["receive"] = received[0] if received else None
-        return sums
+        replica = received[0] if received and isinstance(received[0], dict) else {}
+        theirs = replica.pop("checksums", None)
+        timings["receive"] = replica
+        return sums, None if theirs is None else from_json(theirs)

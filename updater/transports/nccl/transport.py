@@ -317,7 +317,7 @@ class NcclTransport(Transport):
         group = await self._ensure_group(engine, rep, family, packing, timings)
         try:
             t0 = time.monotonic()
-            sums = await self._send(engine.url, group, wire, specs, packing, timings)
+            sums, replica_sums = await self._send(engine.url, group, wire, specs, packing, timings)
             timings["transfer_s"] = time.monotonic() - t0
         except BaseException as e:  # CancelledError (deadline) included: the group is unusable
             self._abandon(rep, f"transfer failed: {type(e).__name__}: {e}")
@@ -342,6 +342,7 @@ class NcclTransport(Transport):
             detail=json.dumps({k: v for k, v in timings.items() if k != "chunks"}, default=str),
             checksums=sums,
             checksum_s=float(timings.get("checksum_s", 0.0)),
+            replica_checksums=replica_sums,
         )
 
     async def _send(
@@ -352,9 +353,10 @@ class NcclTransport(Transport):
         specs: list[TensorSpec],
         packing: Packing,
         timings: dict[str, Any],
-    ) -> dict[str, Checksum] | None:
+    ) -> tuple[dict[str, Checksum] | None, dict[str, Checksum] | None]:
         """Move the weights over the group (the engine is paused, the group initialised); the
-        sender's checksums where this path computes them (vLLM's own path: None)."""
+        sender's and the replica's checksums where this path computes them (vLLM's own path:
+        neither)."""
         if g.family == "static":
             await self._send_static(url, g, wire, specs, packing, timings)
         else:
@@ -363,7 +365,7 @@ class NcclTransport(Transport):
                     _spawn(self.sender.factory_send, g.key, wire, name=f"nccl-send-{g.key}")
                 )
             )
-        return None
+        return None, None
 
     async def _ensure_group(
         self,
