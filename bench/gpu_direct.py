@@ -223,13 +223,14 @@ async def phase_ab(env: Env, refs: Refs) -> None:
     new_generation(env, refs, 0)
     dummy = await refs.check(h.engine.url, 0, "dummy")  # dummy weights vs g0: no match
     t0 = now()  # bootstrap over vLLM's own path (known to work), which also warms its group
-    boot = await r_vllm.bootstrap(
+    boot_runner, boot_t = (r_direct, direct) if a.direct_only else (r_vllm, vllm)
+    boot = await boot_runner.bootstrap(
         h, gen(0), identity(env, 0), target(env, 0).probe, checkpoint=Path("/in-process/g0")
     )
     res["bootstrap"] = {
         "report": boot.model_dump(mode="json"),
         "wall_s": round(now() - t0, 3),
-        "transfer": vllm.last.get(h.engine.url),
+        "transfer": boot_t.last.get(h.engine.url),
         "dummy_vs_g0": dummy,
     }
     print(f"bootstrap: {res['bootstrap']}", flush=True)
@@ -239,8 +240,8 @@ async def phase_ab(env: Env, refs: Refs) -> None:
     warm = await run_cycle(env, r_direct, direct, "r0", g)
     warm["check"] = refs.checks[-1] if refs.checks else None
     print(f"ab warm-up nccl_direct g{g}: {warm}", flush=True)
-    paths = ["nccl_direct", "nccl"]
-    if warm.get("outcome") != "ready":  # keep measuring vLLM's path: recover r0 over it
+    paths = ["nccl_direct"] if a.direct_only else ["nccl_direct", "nccl"]
+    if warm.get("outcome") != "ready" and not a.direct_only:  # measure vLLM's path alone
         res["direct_failed"] = warm
         with contextlib.suppress(Exception):
             res["direct_failed"]["server_log"] = env.replicas["r0"].log_tail(60)
@@ -628,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica-gpu", default="1")
     ap.add_argument("--gpu-util", type=float, default=0.3)
     ap.add_argument("--replicas", type=int, default=2, choices=(1, 2))
+    ap.add_argument(
+        "--direct-only", action="store_true", help="no vLLM-path cycles (bootstrap over direct)"
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--buffer-mb", type=int, default=1024)
