@@ -106,7 +106,12 @@ def _refuse(lc: Lifecycle, event: Event, why: str) -> PostconditionFailed:
 def _bootstrap(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, BootstrapEvidence)
     if not ev.proves_serving:
-        raise _refuse(lc, ev, "no successful completion or validation failed")
+        v = ev.validation
+        why = "no successful completion" if not ev.completion_ok else "validation failed"
+        if v is not None:
+            same = v.probe_expected == v.probe_actual
+            why += f": label_ok={v.label_ok} probe_matches={same} checksums={v.checksums}"
+        raise _refuse(lc, ev, why)
     if lc.state is S.RECOVERING:  # I6: a fresh process, the weights loaded from scratch
         if ev.process is None or ev.process == lc.process:
             raise _refuse(
