@@ -171,7 +171,11 @@ async def test_checksums_prove_the_update_and_refuse_corruption(pool: Pool, tmp_
     report = await p.runner.run(p.handle, good)
     assert report.outcome == "ready" and "checksum" in report.phases
     assert await latest(p) == 1
-    print(f"checksum phase {report.phases['checksum']:.4f}s of window {report.window_s:.3f}s")
+    sums = p.runner.transport._sums  # type: ignore[attr-defined]  # what preflight computed
+    print(
+        f"checksum_s on CPU: sender (updater over the checkpoint, preflight) {sums.seconds:.4f}s; "
+        f"replica call + compare {report.phases['checksum']:.4f}s of window {report.window_s:.3f}s"
+    )
 
     # control: without checksums, one flipped bit passes the probe and is published
     flipped_ok = variant(2, tmp_path / "g2", seed=12)
