@@ -246,7 +246,8 @@ class StagedSource(WeightSource):
             self._specs = specs
         dsts = [b for _, b in self._staged]
         torch._foreach_copy_(dsts, [t for _, t in pairs])
-        torch.cuda.current_stream().synchronize()
+        if any(b.is_cuda for b in dsts):
+            torch.cuda.current_stream().synchronize()
         return time.perf_counter() - t0
 
     def specs(self) -> list[TensorSpec]:
