@@ -374,7 +374,14 @@ class CycleRunner:
                     "checksum", self.verify_checksums(h, transfer), d.validate_s, mutating=True
                 )
             if not sums.proves_equal:
-                return ValidationEvidence(gen, LabelEvidence(False, None), (), (), checksums=sums)
+                return ValidationEvidence(
+                    gen,
+                    LabelEvidence(False, None),
+                    (),
+                    (),
+                    detail="probe not run: the checksums differ",
+                    checksums=sums,
+                )
         valid = await bounded("validate", self.validate(h, gen, probe), d.validate_s, mutating=True)
         return valid if sums is None else replace(valid, checksums=sums)
 
