@@ -330,6 +330,8 @@ def replica_spec(env: Env, rid: str) -> Any:
     a = env.args
     cache = env.work / "compile-cache"
     extra = ["--load-format", "dummy", "--gpu-memory-utilization", str(a.gpu_util), "--seed", "0"]
+    if getattr(a, "extension", False):  # RolloutPool's worker extension (nccl_direct, checksums)
+        extra += ["--worker-extension-cls", "pool.replica_extension.WeightExtension"]
     return ReplicaSpec(
         model=Path(a.model),
         flavor="gpu",

@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
 
+from pool.checksum import Checksum, words_checksum
 from pool.errors import PreflightFailed
 from pool.types import Manifest, TensorSpec
 
 __all__ = [
     "SAFETENSORS_DTYPES",
     "CheckpointError",
+    "checkpoint_checksums",
     "content_hash",
     "read_header",
     "read_manifest",
@@ -229,3 +232,36 @@ def vocab_size(directory: Path) -> int | None:
         if spec.name.endswith("embed_tokens.weight") and len(spec.shape) == 2:
             return spec.shape[0]
     return None
+
+
+def checkpoint_checksums(directory: Path) -> dict[str, Checksum]:
+    """:mod:`pool.checksum` checksums of every tensor of the checkpoint, over its stored bytes
+    (each file memory-mapped; numpy, no torch). Cost: one full read of the weights. Raises
+    :class:`CheckpointError` like :func:`read_manifest`, and for a tensor whose byte range lies
+    outside its file."""
+    out: dict[str, Checksum] = {}
+    for file in safetensors_files(directory):
+        header = read_header(file)
+        try:
+            with file.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                base = 8 + struct.unpack("<Q", mm[:8])[0]
+                for name, entry in header.items():
+                    if name == "__metadata__":
+                        continue
+                    spec = _spec(file, name, entry)
+                    begin, end = (base + int(o) for o in entry.get("data_offsets", (0, 0)))
+                    if not base <= begin <= end <= len(mm):
+                        raise CheckpointError(
+                            f"{file}: tensor {name!r} lies outside the file", path=str(file)
+                        )
+                    with memoryview(mm)[begin:end] as data:
+                        itemsize = 1 if spec.dtype in _ONE_BYTE else 2
+                        plain, weighted = words_checksum(data, itemsize)
+                    out[name] = Checksum(spec.dtype, spec.shape, plain, weighted)
+        except (OSError, ValueError, BufferError) as e:
+            raise CheckpointError(f"{file}: cannot read: {e}", path=str(file)) from e
+    return out
+
+
+#: dtypes of one byte per element (every other dtype is read as 16-bit words)
+_ONE_BYTE = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "int8", "uint8", "bool"})

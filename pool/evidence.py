@@ -8,10 +8,15 @@ does I/O. Bare booleans never cross a module boundary where one of these fits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from pool.types import Generation
+
+if TYPE_CHECKING:
+    from pool.checksum import Checksum
 
 
 class FailureKind(StrEnum):
@@ -82,7 +87,13 @@ class CacheResetEvidence:
 
 @dataclass(frozen=True)
 class TransferEvidence:
-    """A transport reported the new weights loaded. ``identity_digest`` is what was sent."""
+    """A transport reported the new weights loaded. ``identity_digest`` is what was sent.
+
+    ``checksums``: the sender's :class:`pool.checksum.Checksum` per checkpoint tensor name,
+    computed while sending (None: this transport offers none); validation then requires the
+    replica's to be equal. ``checksum_s``: what computing them cost the sender.
+    ``replica_checksums``: the replica's, where its receive computed them over its runtime
+    parameters as the data landed (None: validation asks the replica for them)."""
 
     transport: str
     identity_digest: str
@@ -90,6 +101,9 @@ class TransferEvidence:
     bytes: int = 0
     elapsed_s: float = 0.0
     detail: str = ""
+    checksums: Mapping[str, Checksum] | None = None
+    checksum_s: float = 0.0
+    replica_checksums: Mapping[str, Checksum] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,11 +115,40 @@ class LabelEvidence:
 
 
 @dataclass(frozen=True)
+class ChecksumEvidence:
+    """The sender's per-parameter checksums compared with the replica's, computed over its
+    runtime parameters after the load (:mod:`pool.checksum`). ``compared`` names were reported
+    by both; ``mismatched`` differ, ``missing`` were sent but not reported, ``unexpected`` were
+    reported but not sent; ``examples`` names a few of them. ``error``: the replica could not
+    report (no worker extension, a failed call). Seconds: ``sender_s`` the sender's computation
+    (overlapped with sending where the transport does so), ``replica_s`` the replica's call."""
+
+    compared: int
+    mismatched: int = 0
+    missing: int = 0
+    unexpected: int = 0
+    examples: tuple[str, ...] = ()
+    sender_s: float = 0.0
+    replica_s: float = 0.0
+    error: str = ""
+
+    @property
+    def proves_equal(self) -> bool:
+        return (
+            not self.error
+            and self.compared > 0
+            and self.mismatched == self.missing == self.unexpected == 0
+        )
+
+
+@dataclass(frozen=True)
 class ValidationEvidence:
     """Validation run while the engine is still paused.
 
     ``label`` is None where the server has no labels (vLLM 0.26). ``probe_expected`` is the
     reference output of the target checkpoint; ``probe_actual`` what the replica produced.
+    ``checksums``: the comparison of the sender's checksums with the replica's, where the
+    transfer offered them (None: it did not); when present it must prove equality.
     """
 
     generation: Generation
@@ -113,15 +156,21 @@ class ValidationEvidence:
     probe_expected: tuple[int, ...]
     probe_actual: tuple[int, ...]
     detail: str = ""
+    checksums: ChecksumEvidence | None = None
 
     @property
     def label_ok(self) -> bool:
         return (not self.label.supported) or self.label.label == self.generation.label
 
     @property
+    def checksums_ok(self) -> bool:
+        return self.checksums is None or self.checksums.proves_equal
+
+    @property
     def proves_valid(self) -> bool:
         return (
             self.label_ok
+            and self.checksums_ok
             and len(self.probe_expected) > 0
             and self.probe_expected == self.probe_actual
         )
@@ -251,6 +300,7 @@ Event = (
 __all__ = [
     "BootstrapEvidence",
     "CacheResetEvidence",
+    "ChecksumEvidence",
     "DrainEvidence",
     "DrainRequested",
     "Event",

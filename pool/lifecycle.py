@@ -108,7 +108,12 @@ def _refuse(lc: Lifecycle, event: Event, why: str) -> PostconditionFailed:
 def _bootstrap(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, BootstrapEvidence)
     if not ev.proves_serving:
-        raise _refuse(lc, ev, "no successful completion or validation failed")
+        v = ev.validation
+        why = "no successful completion" if not ev.completion_ok else "validation failed"
+        if v is not None:
+            same = v.probe_expected == v.probe_actual
+            why += f": label_ok={v.label_ok} probe_matches={same} checksums={v.checksums}"
+        raise _refuse(lc, ev, why)
     if lc.state is S.RECOVERING:  # I6: a fresh process, the weights loaded from scratch
         if ev.process is None or not ev.process.replaces(lc.process):
             raise _refuse(
@@ -177,7 +182,11 @@ def _validated(lc: Lifecycle, ev: Event) -> Lifecycle:
         raise _refuse(lc, ev, "validated a generation other than the target")
     if not ev.proves_valid:
         same = ev.probe_expected == ev.probe_actual
-        raise _refuse(lc, ev, f"label_ok={ev.label_ok} probe_matches={same} {ev.detail}")
+        raise _refuse(
+            lc,
+            ev,
+            f"label_ok={ev.label_ok} probe_matches={same} checksums={ev.checksums} {ev.detail}",
+        )
     return lc
 
 

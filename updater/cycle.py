@@ -11,7 +11,9 @@ For one replica and one target generation::
     DRAINING -> QUIESCED -> UPDATING            (the store refuses both with active bindings: I2)
     transfer                 under its deadline (I5)
     UPDATING -> INVALIDATING reset prefix (body checked) + mm + encoder caches
-    INVALIDATING -> VALIDATING  set the label; resume the engine; probe; read the label back
+    INVALIDATING -> VALIDATING  compare the sender's checksums with the replica's (where the
+                             transfer offered them); set the label; resume the engine; probe;
+                             read the label back
     VALIDATING -> RESUMING -> READY(g+1)        publishes g+1 if it is the first replica on it
 
 Validation runs while the replica is *closed to admissions* (store state VALIDATING: routers
@@ -41,10 +43,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
+from pool.checksum import compare as compare_checksums
+from pool.checksum import from_json as checksums_from_json
 from pool.engine import VllmEngine
 from pool.errors import LifecycleError, RolloutPoolError, StoreConflict
 from pool.evidence import (
     BootstrapEvidence,
+    ChecksumEvidence,
     DrainEvidence,
     DrainRequested,
     Event,
@@ -54,6 +59,7 @@ from pool.evidence import (
     RecoveryStarted,
     ResumeEvidence,
     StepFailed,
+    TransferEvidence,
     TransferStarted,
     UpdateCancelled,
     ValidationEvidence,
@@ -173,13 +179,14 @@ class _Phase:
         self.timer, self.name = timer, name
 
     async def __aenter__(self) -> None:
+        self.outer = self.timer.report.phase  # a phase inside another (checksum in validate)
         self.timer.report.phase = self.name
         await self.timer.tell()
         self.t0 = time.monotonic()
 
     async def __aexit__(self, *exc: object) -> None:
         self.timer.report.phases[self.name] = time.monotonic() - self.t0
-        self.timer.report.phase = None
+        self.timer.report.phase = self.outer
 
 
 class CycleRunner:
@@ -372,12 +379,7 @@ class CycleRunner:
                 await self.commit(h, reset)
             step = "validate"
             async with timer("validate"):
-                valid = await self._engine(
-                    "validate",
-                    lambda: self.validate(h, t.generation, t.probe),
-                    d.validate_s,
-                    mutating=True,
-                )
+                valid = await self._validate(h, t.generation, t.probe, ev, timer)
                 await self.commit(h, valid)
             step = "resume"
             async with timer("resume"):
@@ -421,6 +423,74 @@ class CycleRunner:
                 return await self.store.abort_active(h.replica_id, why)
             await asyncio.sleep(self.drain_poll_s)
 
+    async def _validate(
+        self,
+        h: ReplicaHandle,
+        gen: Generation,
+        probe: Probe,
+        transfer: TransferEvidence | None,
+        timer: _Timer,
+    ) -> ValidationEvidence:
+        """The VALIDATING step: where the transfer offered the sender's checksums, the replica's
+        are compared first (phase ``checksum``; a difference ends validation there, the engine
+        never resumed on those weights), then :attr:`validate` (probe, label)."""
+        d = self.deadlines
+        sums = None
+        if transfer is not None and transfer.checksums is not None:
+            async with timer("checksum"):
+                sums = await self._engine(
+                    "checksum",
+                    lambda: self.verify_checksums(h, transfer),
+                    d.validate_s,
+                    mutating=True,
+                )
+            if not sums.proves_equal:
+                return ValidationEvidence(
+                    gen,
+                    LabelEvidence(False, None),
+                    (),
+                    (),
+                    detail="probe not run: the checksums differ",
+                    checksums=sums,
+                )
+        valid = await self._engine(
+            "validate", lambda: self.validate(h, gen, probe), d.validate_s, mutating=True
+        )
+        return valid if sums is None else replace(valid, checksums=sums)
+
+    async def verify_checksums(
+        self, h: ReplicaHandle, transfer: TransferEvidence
+    ) -> ChecksumEvidence:
+        """The replica's checksums over its runtime parameters against the sender's: those its
+        receive reported (``transfer.replica_checksums``), else the worker extension's
+        ``rolloutpool_checksums`` now (:mod:`pool.replica_extension`). A replica that cannot
+        answer (no extension loaded, an error) yields evidence with ``error`` set, which does
+        not prove equality."""
+        expected = transfer.checksums or {}
+        if transfer.replica_checksums is not None:
+            return compare_checksums(
+                expected, transfer.replica_checksums, sender_s=transfer.checksum_s
+            )
+        t0 = time.monotonic()
+        try:
+            rpc = await h.engine.collective_rpc(
+                "rolloutpool_checksums", timeout_s=self.deadlines.validate_s
+            )
+            if len(rpc.results) != 1 or not isinstance(rpc.results[0], dict):
+                raise ValueError(f"one result per worker expected, got {rpc.results!r:.200}")
+            actual = checksums_from_json(rpc.results[0].get("checksums"))
+        except Exception as e:
+            return compare_checksums(
+                expected,
+                {},
+                sender_s=transfer.checksum_s,
+                replica_s=time.monotonic() - t0,
+                error=f"{type(e).__name__}: {e}"[:500],
+            )
+        return compare_checksums(
+            expected, actual, sender_s=transfer.checksum_s, replica_s=time.monotonic() - t0
+        )
+
     async def probe_validate(
         self, h: ReplicaHandle, gen: Generation, probe: Probe
     ) -> ValidationEvidence:
@@ -461,6 +531,7 @@ class CycleRunner:
         timer = _Timer(report, None)
         d = self.deadlines
         step = "bootstrap"
+        loaded: TransferEvidence | None = None
         try:
             async with timer("bootstrap"):
                 caps = await self._engine(
@@ -487,14 +558,14 @@ class CycleRunner:
                     await self._engine(
                         "pause", lambda: h.engine.pause("wait"), d.pause_s, mutating=True
                     )
-                    ev = await self._engine(
+                    loaded = await self._engine(
                         "transfer",
                         lambda: self.transport.transfer(h.engine, target),
                         d.transfer_s,
                         mutating=True,
                     )
-                    if not ev.ok:
-                        raise LifecycleError(f"transfer failed: {ev.detail}")
+                    if not loaded.ok:
+                        raise LifecycleError(f"transfer failed: {loaded.detail}")
             step = "invalidate"
             async with timer("invalidate"):
                 reset = await self._engine(
@@ -504,12 +575,7 @@ class CycleRunner:
                     raise LifecycleError(f"cache reset not proven: {reset.detail}")
             step = "validate"
             async with timer("validate"):
-                valid = await self._engine(
-                    "validate",
-                    lambda: self.validate(h, generation, probe),
-                    d.validate_s,
-                    mutating=True,
-                )
+                valid = await self._validate(h, generation, probe, loaded, timer)
             if await h.process(d.resume_s) != process:
                 raise LifecycleError("the server process changed during the bootstrap")
             ev_boot = BootstrapEvidence(

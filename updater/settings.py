@@ -71,6 +71,10 @@ class UpdaterSettings(BaseSettings):
     #: weight-transfer engine (service mode; see ``nccl``).
     transport: str = "reload"
     nccl: NcclConfig = Field(default_factory=NcclConfig)
+    #: ``reload``: prove every update by per-parameter checksums of the checkpoint against the
+    #: replica's runtime weights (the replicas must run ``--worker-extension-cls
+    #: pool.replica_extension.WeightExtension``). ``nccl_direct`` always does.
+    checksums: bool = False
 
     #: Who runs the replicas: a name registered in :mod:`updater.providers.registry`. Built in:
     #: ``local``, ``external``, ``ray`` (settings in ``ray``), ``kubernetes`` (``kubernetes``).

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pool.errors import IllegalTransition, PostconditionFailed
 from pool.evidence import (
     BootstrapEvidence,
     CacheResetEvidence,
+    ChecksumEvidence,
     DrainEvidence,
     DrainRequested,
     FailureKind,
@@ -104,6 +107,25 @@ def test_label_unsupported_on_026_still_needs_probe() -> None:
     assert advance(lc, ok).state is S.RESUMING
     with pytest.raises(PostconditionFailed):
         advance(lc, ValidationEvidence(G1, LabelEvidence(False, None), (), ()))
+
+
+def test_offered_checksums_must_prove_equality() -> None:
+    """Pins #22: where the transfer offered checksums, a passing probe is not enough."""
+    lc = walk(S.VALIDATING)
+    ok = ValidationEvidence(G1, LabelEvidence(False, None), PROBE, PROBE)
+    assert (
+        advance(lc, dataclasses.replace(ok, checksums=ChecksumEvidence(compared=3))).state
+        is S.RESUMING
+    )
+    for bad in (
+        ChecksumEvidence(compared=3, mismatched=1, examples=("k_proj",)),
+        ChecksumEvidence(compared=2, missing=1),
+        ChecksumEvidence(compared=3, unexpected=1),
+        ChecksumEvidence(compared=0),
+        ChecksumEvidence(compared=0, error="no extension"),
+    ):
+        with pytest.raises(PostconditionFailed, match="checksums"):
+            advance(lc, dataclasses.replace(ok, checksums=bad))
 
 
 @pytest.mark.parametrize("state", list(S))

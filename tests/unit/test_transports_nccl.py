@@ -124,9 +124,19 @@ class FakeServer:
         self, version: str = "0.26.0", paused: bool = True, fail: dict[str, int] | None = None
     ) -> None:
         self.version, self.paused, self.fail = version, paused, fail or {}
+        #: what the worker extension reports (None: no extension loaded)
+        self.layout: dict[str, Any] | None = {s.name: [s.dtype, list(s.shape)] for s in SPECS}
+        self.flip: str | None = None  # a name whose received checksum comes out different
         self.requests: list[tuple[str, str, Any]] = []
         self.init_seen, self.update_seen = threading.Event(), threading.Event()
         self.data_sent, self.release = threading.Event(), threading.Event()
+
+    def replica_checksums(self, names: list[list[Any]]) -> dict[str, Any]:
+        """What the extension's receive reports: one checksum per received name."""
+        sums = {}
+        for i, (name, dtype, shape) in enumerate(names):
+            sums[name] = [dtype, shape, i, 2 * i + (name == self.flip)]
+        return sums
 
     def paths(self) -> list[str]:
         return [f"{m} {p}" for m, p, _ in self.requests]
@@ -166,12 +176,26 @@ class FakeServer:
         if path == "/init_weight_transfer_engine":
             self.init_seen.set()
             return httpx.Response(200, json={"message": "Weight transfer initialized"})
-        if path == "/update_weights":
+        if path == "/update_weights" or (
+            path == "/collective_rpc" and body["method"] == "rolloutpool_direct_receive"
+        ):
             self.update_seen.set()
             if not self.data_sent.wait(5):  # the broadcast never came: vLLM would hang
                 self.release.wait(30)
                 return httpx.Response(500, json={"error": "released"})
-            return httpx.Response(200, json={"message": "Weights updated"})
+            if path == "/update_weights":
+                return httpx.Response(200, json={"message": "Weights updated"})
+            names = json.loads(body["kwargs"]["names"])
+            got: dict[str, Any] = {"received": len(names)}
+            if json.loads(body["kwargs"].get("checksums", "false")):
+                got["checksums"] = self.replica_checksums(names)
+            return httpx.Response(200, json={"results": [got]})
+        if path == "/collective_rpc":  # the worker extension (pool.replica_extension)
+            if self.layout is None:
+                return httpx.Response(500, json={"error": "Worker has no attribute"})
+            if body["method"] == "rolloutpool_direct_init":
+                self.init_seen.set()
+            return httpx.Response(200, json={"results": [{"layout": self.layout}]})
         return httpx.Response(200, json={"message": "ok"})
 
 

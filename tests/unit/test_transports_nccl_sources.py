@@ -117,3 +117,27 @@ def test_a_source_slot_holds_one_source_and_releases_it_for_another() -> None:
         slot.get("c", broken)
     assert b.released == 1
     assert slot.get("b", Tracked) is not b  # a failed build leaves the slot empty
+
+
+def test_staged_source_is_a_copy_the_trainer_may_overwrite_at_once() -> None:
+    """Pins staging mode (#15.3): after ``stage`` returns, changing the trainer's weights does
+    not change what is sent; staging again reuses the buffers (no allocation per update)."""
+    import torch
+
+    from updater.transports.nccl import StagedSource
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    staged = StagedSource()
+    assert staged.stage(model) >= 0
+    sent = {n: t.clone() for n, t in staged}
+    assert [s.name for s in staged.specs()] == [n for n, _ in model.named_parameters()]
+    buffers = [t.data_ptr() for _, t in staged]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the trainer trains on
+    assert all(torch.equal(t, sent[n]) for n, t in staged)
+    staged.stage(model)
+    assert [t.data_ptr() for _, t in staged] == buffers
+    assert all(torch.equal(t, p) for (_, t), p in zip(staged, model.parameters(), strict=True))
+    staged.release()
+    assert staged.specs() == [] and list(staged) == []

@@ -56,7 +56,7 @@ def test_an_unknown_name_lists_the_registered_ones() -> None:
     reg.register("a", "m", "A")
     with pytest.raises(ValueError, match="unknown transport 'x'; registered: a, b"):
         reg.require("x")
-    with pytest.raises(ValueError, match="registered: nccl, reload"):
+    with pytest.raises(ValueError, match="registered: nccl, nccl_direct, reload"):
         registry.get("carrier-pigeon")
 
 
@@ -81,13 +81,17 @@ def test_a_registration_that_is_not_a_transport_is_refused_when_used(plugin_modu
 
 
 def test_the_built_ins_are_built_from_the_settings() -> None:
-    assert registry.names() == ["nccl", "reload"]
-    assert isinstance(registry.create(UpdaterSettings()), ReloadTransport)
+    assert registry.names() == ["nccl", "nccl_direct", "reload"]
+    reload = registry.create(UpdaterSettings())
+    assert isinstance(reload, ReloadTransport) and not reload.checksums
+    reload = registry.create(UpdaterSettings(checksums=True))
+    assert isinstance(reload, ReloadTransport) and reload.checksums
     nccl = NcclConfig(master_port=30000)
-    transport = registry.create(UpdaterSettings(transport="nccl", nccl=nccl))
-    assert isinstance(transport, NcclTransport)
-    assert transport.config == nccl and transport.source is None  # service mode
-    transport.close()
+    for name in ("nccl", "nccl_direct"):
+        transport = registry.create(UpdaterSettings(transport=name, nccl=nccl))
+        assert isinstance(transport, NcclTransport) and transport.name == name
+        assert transport.config == nccl and transport.source is None  # service mode
+        transport.close()
 
 
 def test_settings_accept_the_registered_names_only(

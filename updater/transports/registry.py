@@ -48,3 +48,4 @@ create = _REGISTRY.create
 
 register("reload", "updater.transports.reload", "ReloadTransport")
 register("nccl", "updater.transports.nccl", "NcclTransport")
+register("nccl_direct", "updater.transports.nccl.direct", "NcclDirectTransport")

@@ -44,7 +44,11 @@ same group (NCCL refuses two ranks on one GPU).
 * :mod:`~updater.transports.nccl.control` — the HTTP control calls (:class:`HttpWeightSyncClient`);
 * :mod:`~updater.transports.nccl.senders` — where vLLM's trainer helpers run (thread or process);
 * :mod:`~updater.transports.nccl.transport` — :class:`NcclTransport`: group lifetime, blocking
-  calls and deadlines, failure classes.
+  calls and deadlines, failure classes;
+* :mod:`~updater.transports.nccl.direct` — ``nccl_direct``: the same groups and failure
+  handling, received straight into the runtime parameters by RolloutPool's worker extension
+  (:mod:`pool.replica_extension`), with per-parameter checksums (imported on use, registered in
+  :mod:`updater.transports.registry`).
 
 Nothing here imports ``torch`` or ``vllm`` at module load: the package (and its unit tests) work
 on machines without either; the heavy imports happen on the first send.
@@ -53,7 +57,13 @@ on machines without either; the heavy imports happen on the first send.
 from updater.transports.nccl.config import NcclConfig, Packing
 from updater.transports.nccl.control import HttpStepError, HttpWeightSyncClient
 from updater.transports.nccl.senders import ProcessSender, Sender, SenderCore, ThreadSender
-from updater.transports.nccl.sources import CheckpointSource, ModuleSource, SourceSpec, WeightSource
+from updater.transports.nccl.sources import (
+    CheckpointSource,
+    ModuleSource,
+    SourceSpec,
+    StagedSource,
+    WeightSource,
+)
 from updater.transports.nccl.transport import NcclTransport
 from updater.transports.nccl.versions import (
     ApiFamily,
@@ -75,6 +85,7 @@ __all__ = [
     "Sender",
     "SenderCore",
     "SourceSpec",
+    "StagedSource",
     "ThreadSender",
     "WeightSource",
     "api_family",

@@ -47,6 +47,8 @@ from updater.transports.nccl.sources import SourceSlot, SourceSpec, WeightSource
 
 __all__ = [
     "Command",
+    "DirectInit",
+    "DirectSend",
     "FactoryInit",
     "FactorySend",
     "Prepare",
@@ -151,6 +153,31 @@ class FactorySend(Command[dict[str, Any]]):
         return core.factory_send(self.key, self.source)
 
 
+@dataclass(frozen=True)
+class DirectInit(Command[float]):
+    """``nccl_direct``: join the group at ``at`` as rank 0 with vLLM's communicator (no
+    weight-transfer engine); returns the seconds it took."""
+
+    at: Rendezvous
+
+    def run(self, core: SenderCore) -> float:
+        return core.direct_init(self.at)
+
+
+@dataclass(frozen=True)
+class DirectSend(Command[dict[str, Any]]):
+    """``nccl_direct``: broadcast the tensors of ``source`` named in ``wire`` (in order) over
+    group ``key``, one broadcast each, and checksum *every* tensor of the source meanwhile;
+    returns the timings and ``checksums`` (:func:`pool.checksum.to_json`)."""
+
+    key: str
+    source: WireSource
+    wire: tuple[str, ...]
+
+    def run(self, core: SenderCore) -> dict[str, Any]:
+        return core.direct_send(self.key, self.source, self.wire)
+
+
 # ------------------------------------------------------------------------------ senders
 
 
@@ -189,6 +216,12 @@ class Sender(ABC):
 
     def factory_send(self, key: str, source: WireSource) -> dict[str, Any]:
         return self.run(FactorySend(key, source))
+
+    def direct_init(self, at: Rendezvous) -> float:
+        return self.run(DirectInit(at))
+
+    def direct_send(self, key: str, source: WireSource, wire: tuple[str, ...]) -> dict[str, Any]:
+        return self.run(DirectSend(key, source, wire))
 
 
 class ThreadSender(Sender):
@@ -395,6 +428,55 @@ class SenderCore:
         t0 = time.perf_counter()
         engine.send_weights()  # start, update (its own thread) + broadcast, finish, sync
         return {"send_s": time.perf_counter() - t0}
+
+    # -- nccl_direct ----------------------------------------------------------------------------
+
+    def direct_init(self, at: Rendezvous) -> float:
+        """Rank 0 of a plain vLLM NCCL group (``StatelessProcessGroup`` + ``PyNcclCommunicator``,
+        present in every vLLM with a weight-transfer engine); the replica's worker extension
+        joins it as rank 1."""
+        torch = import_untyped("torch")
+        pynccl = import_untyped("vllm.distributed.device_communicators.pynccl")
+        utils = import_untyped("vllm.distributed.utils")
+        self._set_device()
+        t0 = time.perf_counter()
+        pg = utils.StatelessProcessGroup.create(
+            host=at.address, port=at.port, rank=0, world_size=at.world_size
+        )
+        device = torch.device("cuda", torch.cuda.current_device())
+        self.groups[at.key] = pynccl.PyNcclCommunicator(pg, device=device)
+        return time.perf_counter() - t0
+
+    def direct_send(self, key: str, source: WireSource, wire: tuple[str, ...]) -> dict[str, Any]:
+        """One broadcast per tensor named in ``wire`` (in that order, on a stream of its own),
+        straight from the source's tensors; meanwhile the checksums of every tensor of the
+        source are computed on a second stream (both only read the tensors, so they overlap on
+        the GPU). Returns when both are done."""
+        torch = import_untyped("torch")
+        checksum = import_untyped("pool.checksum")
+        self._set_device()
+        src = self._resolve(source)
+        group = self.groups[key]
+        named = list(src)
+        by_name = dict(named)
+        missing = [n for n in wire if n not in by_name]
+        if missing:
+            raise RuntimeError(f"the source has no tensor {missing[0]!r}")
+        send_stream, sum_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for name in wire:
+            group.broadcast(by_name[name], src=0, stream=send_stream)
+        enqueued = time.perf_counter() - t0
+        sums = checksum.tensor_checksums(named, stream=sum_stream)  # syncs sum_stream only
+        checksum_s = time.perf_counter() - t0 - enqueued
+        send_stream.synchronize()
+        return {
+            "send_enqueue_s": enqueued,
+            "send_s": time.perf_counter() - t0,
+            "checksum_s": checksum_s,
+            "checksums": checksum.to_json(sums),
+        }
 
     # -- teardown ----------------------------------------------------------------------------
 

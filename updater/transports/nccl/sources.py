@@ -5,6 +5,9 @@ sender's GPU in a fixed order, and declares that order without data (:meth:`Weig
   named tensors), sent as it is.
 * :class:`CheckpointSource` — service mode: a safetensors checkpoint directory, loaded onto the
   sender's GPU.
+* :class:`StagedSource` — staging mode: one copy of a trainer's weights on its GPU, owned by the
+  updater; the trainer hands its weights over with :meth:`StagedSource.stage` and goes on
+  training while every replica is rolled from the copy.
 * :class:`SourceSpec` — a picklable recipe that rebuilds a source in another process (the
   sending child of ``sender="process"``).
 * :class:`SourceSlot` — holds one built source at a time (one checkpoint on the GPU).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ __all__ = [
     "ModuleSource",
     "SourceSlot",
     "SourceSpec",
+    "StagedSource",
     "WeightSource",
     "import_untyped",
     "nbytes_of",
@@ -199,6 +204,60 @@ class CheckpointSource(WeightSource):
 
     def release(self) -> None:
         self._tensors = None
+
+
+class StagedSource(WeightSource):
+    """Staging mode (the trainer never waits for the roll): one copy of the trainer's weights on
+    the same GPU, in buffers this source owns (allocated by the first :meth:`stage`, reused
+    while names, shapes and dtypes stay the same).
+
+    :meth:`stage` copies the trainer's tensors device-to-device (one fused copy) and returns
+    once the copy is complete: from then on the trainer may change its weights; its stall is
+    that copy, whatever the number of replicas. The updater then sends every replica from the
+    copy (:class:`~updater.transports.nccl.NcclTransport` or ``nccl_direct`` with this as the
+    ``source``). Across hosts the copy would instead be one NCCL transfer to the updater's GPU
+    (not built here). ``stage`` must not run while a transfer reads the previous copy: stage
+    the next generation after the previous roll finished (one buffer; a second would lift
+    this). Blocking; used from one thread at a time.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[str, Any]] = []
+        self._specs: list[TensorSpec] = []
+
+    def stage(self, named: Any) -> float:
+        """Copy ``named`` (``(name, tensor)`` pairs, or a module: its ``named_parameters()``)
+        into the staging buffers; returns the seconds the trainer waited (copy + sync)."""
+        torch = import_untyped("torch")
+        if callable(getattr(named, "named_parameters", None)):
+            named = named.named_parameters()
+        pairs = [(n, t.detach()) for n, t in named]
+        specs = [
+            TensorSpec(name=n, shape=tuple(int(d) for d in t.shape), dtype=_dtype_name(t.dtype))
+            for n, t in pairs
+        ]
+        t0 = time.perf_counter()
+        if specs != self._specs or any(
+            b.device != t.device for (_, b), (_, t) in zip(self._staged, pairs, strict=True)
+        ):
+            self._staged = [
+                (n, torch.empty_like(t, memory_format=torch.contiguous_format)) for n, t in pairs
+            ]
+            self._specs = specs
+        dsts = [b for _, b in self._staged]
+        torch._foreach_copy_(dsts, [t for _, t in pairs])
+        if any(b.is_cuda for b in dsts):
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - t0
+
+    def specs(self) -> list[TensorSpec]:
+        return list(self._specs)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(list(self._staged))
+
+    def release(self) -> None:
+        self._staged, self._specs = [], []
 
 
 K = TypeVar("K", bound=Hashable)

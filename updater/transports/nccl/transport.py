@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import httpx
 
+from pool.checksum import Checksum
 from pool.engine import VllmEngine, parse_version
 from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
 from pool.evidence import TransferEvidence
@@ -110,6 +111,7 @@ class _Replica:
     incarnation: int = 0
     group: _Group | None = None
     last: dict[str, Any] = field(default_factory=dict)
+    client: HttpWeightSyncClient | None = None  # the replica's one control client
 
 
 class NcclTransport(Transport):
@@ -182,25 +184,34 @@ class NcclTransport(Transport):
         log.warning("abandoning NCCL group %s (port %d): %s", g.key, g.port, why)
         rep.group = None
         rep.incarnation += 1
+        if rep.client is not None:  # calls still in flight (abandoned) keep only their own
+            rep.client.close()
+            rep.client = None
         with contextlib.suppress(Exception):
             self.sender.abandon(g.key)
 
     def close(self) -> None:
         for rep in self._replicas.values():
             rep.group = None
+            if rep.client is not None:
+                rep.client.close()
         self.sender.close()
 
     def _client(self, url: str) -> HttpWeightSyncClient:
-        """The control client for the replica at ``url``: every HTTP call of a group init or a
-        transfer (this transport's and vLLM's trainer engine's) goes through one made here."""
-        c = self.config
-        return HttpWeightSyncClient(
-            url,
-            timeout_s=c.http_timeout_s,
-            init_timeout_s=c.init_timeout_s,
-            control_timeout_s=c.control_timeout_s,
-            transport=self._http_transport,
-        )
+        """The control client of the replica at ``url``, one per replica for the transport's
+        life (keep-alive; :mod:`~updater.transports.nccl.control`): every HTTP call of a group
+        init or a transfer (this transport's and vLLM's trainer engine's) goes through it."""
+        rep = self._replica(url)
+        if rep.client is None:
+            c = self.config
+            rep.client = HttpWeightSyncClient(
+                url,
+                timeout_s=c.http_timeout_s,
+                init_timeout_s=c.init_timeout_s,
+                control_timeout_s=c.control_timeout_s,
+                transport=self._http_transport,
+            )
+        return rep.client
 
     # -- what to send ------------------------------------------------------------------------
 
@@ -306,16 +317,7 @@ class NcclTransport(Transport):
         group = await self._ensure_group(engine, rep, family, packing, timings)
         try:
             t0 = time.monotonic()
-            if family == "static":
-                await self._send_static(engine.url, group, wire, specs, packing, timings)
-            else:
-                timings.update(
-                    await asyncio.wrap_future(
-                        _spawn(
-                            self.sender.factory_send, group.key, wire, name=f"nccl-send-{group.key}"
-                        )
-                    )
-                )
+            sums, replica_sums = await self._send(engine.url, group, wire, specs, packing, timings)
             timings["transfer_s"] = time.monotonic() - t0
         except BaseException as e:  # CancelledError (deadline) included: the group is unusable
             self._abandon(rep, f"transfer failed: {type(e).__name__}: {e}")
@@ -324,8 +326,7 @@ class NcclTransport(Transport):
             if isinstance(e, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
                 raise
             raise AmbiguousMutation(
-                f"NCCL transfer into {engine.url} failed after start_weight_update: "
-                f"{type(e).__name__}: {e}",
+                f"NCCL transfer into {engine.url} failed after it began: {type(e).__name__}: {e}",
                 url=engine.url,
                 step=timings.get("step"),
             ) from e
@@ -339,7 +340,32 @@ class NcclTransport(Transport):
             bytes=nbytes,
             elapsed_s=timings["transfer_s"],
             detail=json.dumps({k: v for k, v in timings.items() if k != "chunks"}, default=str),
+            checksums=sums,
+            checksum_s=float(timings.get("checksum_s", 0.0)),
+            replica_checksums=replica_sums,
         )
+
+    async def _send(
+        self,
+        url: str,
+        g: _Group,
+        wire: WireSource,
+        specs: list[TensorSpec],
+        packing: Packing,
+        timings: dict[str, Any],
+    ) -> tuple[dict[str, Checksum] | None, dict[str, Checksum] | None]:
+        """Move the weights over the group (the engine is paused, the group initialised); the
+        sender's and the replica's checksums where this path computes them (vLLM's own path:
+        neither)."""
+        if g.family == "static":
+            await self._send_static(url, g, wire, specs, packing, timings)
+        else:
+            timings.update(
+                await asyncio.wrap_future(
+                    _spawn(self.sender.factory_send, g.key, wire, name=f"nccl-send-{g.key}")
+                )
+            )
+        return None, None
 
     async def _ensure_group(
         self,
@@ -369,31 +395,7 @@ class NcclTransport(Transport):
         t0 = time.monotonic()
         timings["step"] = "init"
         try:
-            if family == "static":
-                init_info = {
-                    "master_address": at.address,
-                    "master_port": at.port,
-                    "rank_offset": 1,
-                    "world_size": at.world_size,
-                }
-                await _gather_threads(
-                    _spawn(
-                        self._client(url).init_weight_transfer_engine,
-                        init_info,
-                        name=f"nccl-init-http-{key}",
-                    ),
-                    _spawn(self.sender.static_init, at, name=f"nccl-init-{key}"),
-                )
-            else:
-                await asyncio.wrap_future(
-                    _spawn(
-                        self.sender.factory_init,
-                        at,
-                        packing,
-                        self._client(url),
-                        name=f"nccl-init-{key}",
-                    )
-                )
+            await self._init_group(url, at, family, packing)
         except BaseException as e:
             rep.incarnation += 1  # the port may still be held by the half-open rendezvous
             with contextlib.suppress(Exception):
@@ -422,6 +424,37 @@ class NcclTransport(Transport):
         timings["port"] = port
         timings["world_size"] = ws
         return g
+
+    async def _init_group(
+        self, url: str, at: Rendezvous, family: ApiFamily, packing: Packing
+    ) -> None:
+        """Create the group at ``at``: the server's side and the sender's, concurrently (both
+        block until every rank joined)."""
+        if family == "static":
+            init_info = {
+                "master_address": at.address,
+                "master_port": at.port,
+                "rank_offset": 1,
+                "world_size": at.world_size,
+            }
+            await _gather_threads(
+                _spawn(
+                    self._client(url).init_weight_transfer_engine,
+                    init_info,
+                    name=f"nccl-init-http-{at.key}",
+                ),
+                _spawn(self.sender.static_init, at, name=f"nccl-init-{at.key}"),
+            )
+        else:
+            await asyncio.wrap_future(
+                _spawn(
+                    self.sender.factory_init,
+                    at,
+                    packing,
+                    self._client(url),
+                    name=f"nccl-init-{at.key}",
+                )
+            )
 
     async def _send_static(
         self,
