@@ -38,8 +38,9 @@ Other statuses raise :class:`PoolRolloutError`. Sampling settings are the traine
 
 **What the trainer sees per sample.** Besides ``prompt_ids``, ``completion_ids`` and the sampler's
 ``logprobs``, the hook returns, one per sample, ``rollout_generation`` (the generation number),
-``rollout_policy_step`` (the trainer step whose weights that generation carries; None if this
-link did not push it), ``rollout_id``, ``rollout_label`` and ``rollout_replica``. TRL forwards
+``rollout_policy_step`` (the trainer step whose weights that generation carries, read from
+its label ``<run>-step<N>``; None for a generation this run did not push), ``rollout_id``,
+``rollout_label`` and ``rollout_replica``. TRL forwards
 extra fields to every reward function as keyword arguments. :meth:`PoolLink.reward` wraps a
 reward function: it logs ``pool/generation`` and ``pool/policy_lag_steps`` (mean and max; lag =
 current step - ``rollout_policy_step``) through TRL's ``log_metric``, adds a ``generation``
@@ -52,13 +53,16 @@ against the sampler's logprobs exists only on its ``use_vllm`` path, which this 
 only). At ``on_train_begin`` (``sync_on_start``) it pushes the trainer's initial weights, so the
 pool serves exactly the trainer's policy; without it, the pool's published generation is taken
 to be the trainer's starting weights. Every ``push_every`` optimizer steps it saves the model
-(safetensors, plus the tokenizer) to ``checkpoint_dir/<run>/step-NNNNNN`` (``run`` is fresh per
-link, so no committed checkpoint is ever overwritten), computes the validation probe from the
-trainer's own weights (:func:`updater.probe.probe_from_model`; from the saved checkpoint when
-the model is not on CPU) and pushes it; the updater drains and reloads the replicas one at a time
-while the others keep serving. ``wait=True`` blocks the step until every replica serves the new
-generation (the next step's samples are on-policy); ``wait=False`` returns at once and waits for
-the previous update only before the next push (at most one in flight). The time the training
+(safetensors, plus the tokenizer) to ``checkpoint_dir/<run>/step-NNNNNN`` (saving onto an existing
+directory fails, so a committed checkpoint is never overwritten), computes the validation probe
+from the trainer's own weights (:func:`updater.probe.probe_from_model`; from the saved checkpoint
+when the model is not on CPU) and pushes it with the label ``<run>-step<N>``; the updater drains
+and reloads the replicas one at a time while the others keep serving. ``run`` is random per link
+unless given: with several training processes, give every process's link the same ``run`` (only
+the main process pushes; every process reads policy steps from the labels). ``wait=True``
+blocks the step until every replica serves the new generation (the next step's samples are
+on-policy); ``wait=False`` returns at once and waits for the previous update only before the next
+push (at most one in flight). The time the training
 loop stood still for each update is :attr:`Update.stall_s`. A failed update raises
 :class:`updater.client.UpdateFailed` from the callback, which stops training; the pool keeps
 serving the last committed generation and the checkpoint stays on disk.
@@ -224,7 +228,7 @@ class PoolLink:
         self._updater = UpdaterClient(updater_url, admin_token)
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="pool-rollout")
         self._lock = threading.Lock()
-        self._policy_step: dict[int, int] = {}  # generation number -> trainer step
+        self._base: tuple[str, int] | None = None  # (label, step) without sync_on_start
         self._in_flight: tuple[dict[str, Any], float] | None = None  # (record, pushed at)
         self.samples: list[Sample] = []
         self.updates: list[Update] = []
@@ -263,7 +267,7 @@ class PoolLink:
         for (start, _), group in zip(runs, groups, strict=True):
             info = group.info
             generation = int(info["generation"])
-            policy_step = self._policy_step.get(generation)
+            policy_step = self.policy_step(info["label"])
             choices = zip(group.completions, group.logprobs, group.spans, strict=True)
             for comp, lps, spans in choices:
                 out["prompt_ids"].append(prompt_ids[start])
@@ -372,6 +376,15 @@ class PoolLink:
             group.spans.append(spans)
         return group
 
+    def policy_step(self, label: str) -> int | None:
+        """The trainer step whose weights the generation labelled ``label`` carries, if this run
+        pushed it (labels are ``<run>-step<N>``), or it is the pool's starting generation."""
+        if self._base is not None and label == self._base[0]:
+            return self._base[1]
+        prefix = f"{self.run}-step"
+        tail = label[len(prefix) :]
+        return int(tail) if label.startswith(prefix) and tail.isdigit() else None
+
     # ------------------------------------------------------------------ rewards
 
     def reward(self, fn: RewardFunc, *, max_lag_steps: int | None = None) -> RewardFunc:
@@ -414,7 +427,7 @@ class PoolLink:
             return
         latest = self._http.get("/v1/pool").json().get("latest")
         if latest is not None:
-            self._policy_step[int(latest["generation"])] = step
+            self._base = (str(latest["label"]), step)
 
     def _push(self, model: Any, processing_class: Any, step: int) -> None:
         t0 = time.monotonic()
@@ -424,8 +437,9 @@ class PoolLink:
             probe = probe_from_model(model, seed=step, **self.probe)
         else:
             probe = probe_from_checkpoint(ckpt, seed=step, **self.probe)
-        rec = self._updater.push(ckpt, probe=probe, step=step, trainer_run=self.run)
-        self._policy_step[int(rec["generation"])] = step
+        rec = self._updater.push(
+            ckpt, probe=probe, step=step, label=f"{self.run}-step{step}", trainer_run=self.run
+        )
         self._in_flight = (rec, time.monotonic())
         self.updates.append(
             Update(

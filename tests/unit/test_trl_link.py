@@ -26,7 +26,9 @@ from rolloutpool.integrations.trl import PoolLink, PoolRolloutError, ProvenanceE
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def answer(n: int, label: str = "g3", generation: int = 3, spans: Any = None) -> dict[str, Any]:
+def answer(
+    n: int, label: str = "run1-step4", generation: int = 3, spans: Any = None
+) -> dict[str, Any]:
     """A router answer to ``/inference/v1/generate`` for ``n`` completions of 2 tokens."""
     return {
         "choices": [
@@ -93,7 +95,9 @@ def router() -> Iterator[Router]:
 
 @pytest.fixture
 def link(router: Router, tmp_path: Path) -> Iterator[PoolLink]:
-    lk = PoolLink(router.url, "http://127.0.0.1:9", checkpoint_dir=tmp_path, retry_s=10.0)
+    lk = PoolLink(
+        router.url, "http://127.0.0.1:9", checkpoint_dir=tmp_path, retry_s=10.0, run="run1"
+    )
     yield lk
     lk.close()
 
@@ -122,7 +126,6 @@ def test_runs_are_consecutive_equal_prompts() -> None:
 
 
 def test_one_request_per_group_and_per_sample_provenance(router: Router, link: PoolLink) -> None:
-    link._policy_step[3] = 4
     out = link.rollout_func(["aa", "aa", "aa", "bbb", "bbb", "bbb"], trainer(step=5))
 
     assert sorted(r["token_ids"] for r in router.requests) == [[2, 7], [3, 7]]  # concurrent
@@ -139,8 +142,15 @@ def test_one_request_per_group_and_per_sample_provenance(router: Router, link: P
     assert out["logprobs"] == [[-1.5, -1.5]] * 6
     assert out["rollout_generation"] == [3] * 6
     assert out["rollout_policy_step"] == [4] * 6
-    assert out["rollout_label"] == ["g3"] * 6
-    assert [(s.step, s.generation, s.spans) for s in link.samples] == [(5, 3, ("g3",))] * 6
+    assert out["rollout_label"] == ["run1-step4"] * 6
+    assert [(s.step, s.generation, s.spans) for s in link.samples] == [(5, 3, ("run1-step4",))] * 6
+
+
+def test_policy_step_is_read_from_this_runs_labels(link: PoolLink) -> None:
+    assert link.policy_step("run1-step12") == 12
+    assert link.policy_step("run2-step12") is None  # another run's generation
+    assert link.policy_step("g0") is None
+    assert link.policy_step("run1-stepx") is None
 
 
 def test_refused_answers_are_retried_and_counted(router: Router, link: PoolLink) -> None:
@@ -165,8 +175,11 @@ def test_other_statuses_raise(router: Router, link: PoolLink) -> None:
 @pytest.mark.parametrize(
     "spans",
     [
-        [{"version": "g2", "start": 0, "end": 2}],  # another generation
-        [{"version": "g3", "start": 0, "end": 1}, {"version": "g4", "start": 1, "end": 2}],
+        [{"version": "run1-step2", "start": 0, "end": 2}],  # another generation
+        [
+            {"version": "run1-step4", "start": 0, "end": 1},
+            {"version": "run1-step6", "start": 1, "end": 2},
+        ],
         [],  # tokens without a span
     ],
 )
