@@ -99,7 +99,7 @@ from updater.probe import probe_from_checkpoint, probe_from_model
 try:
     from transformers import TrainerCallback
     from trl.data_utils import is_conversational
-except ImportError as e:  # pragma: no cover - exercised only without the extra
+except ImportError as e:
     raise ImportError(
         "rolloutpool.integrations.trl needs TRL: pip install 'rolloutpool[trl]' (trl==1.16.0)"
     ) from e
@@ -189,7 +189,16 @@ def _error_code(r: httpx.Response) -> str:
 
 
 class PoolLink:
-    """Connects one ``GRPOTrainer`` to a pool (see the module docstring for the contracts)."""
+    """Connects one ``GRPOTrainer`` to a pool (see the module docstring for the contracts).
+
+    ``router_url`` / ``api_key``: where rollouts go; ``updater_url`` / ``admin_token``: where
+    checkpoints go; ``checkpoint_dir``: where they are written (the updater reads them from
+    there); ``push_every``, ``wait``, ``sync_on_start``: the update policy; ``sampling``: extra
+    vLLM sampling parameters; ``concurrency``: generation requests in flight; ``retry_s``: how
+    long a refused rollout is retried; ``timeout_s``: one generation request;
+    ``update_timeout_s``: one rolling update; ``probe``: keyword arguments of
+    :func:`~updater.probe.probe_from_model`; ``run``: names labels and checkpoint directories.
+    """
 
     def __init__(
         self,
