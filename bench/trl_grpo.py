@@ -1,0 +1,58 @@
+"""``python -m bench.trl_grpo``: TRL's unmodified ``GRPOTrainer`` training through the pool
+(:mod:`testkit.scenarios.trl_grpo`); writes ``bench/results/trl_grpo.json``.
+
+Two runs, one after the other, on one embedded pool (2 vLLM CPU replicas), same task, data and
+seed, differing only in the update mode of :class:`rolloutpool.integrations.trl.PoolLink`:
+
+* top level: ``wait=True`` (the default): each pushed checkpoint has rolled over both replicas
+  before the next step generates, so samples are at most ``push_every - 1`` steps behind;
+* ``async_run``: ``wait=False``: the step continues while the replicas update (rollouts in
+  flight during the rolling update), waiting for the previous update only before the next push.
+
+``stall_ratio_async_over_sync`` compares the mean trainer stall per update of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import tempfile
+import time
+from pathlib import Path
+
+from bench._meta import write
+from testkit.scenarios.trl_grpo import Params, scenario
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--push-every", type=int, default=2)
+    args = ap.parse_args()
+    runs = [
+        Params(steps=args.steps, push_every=args.push_every, wait=True),
+        Params(steps=args.steps, push_every=args.push_every, wait=False),
+    ]
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="trl-grpo-") as d:
+        sync, async_run = asyncio.run(scenario(runs, Path(d)))
+    stall_sync, stall_async = sync["stall_s"]["mean"], async_run["stall_s"]["mean"]
+    result = {
+        **sync,
+        "transformers_version": importlib.metadata.version("transformers"),
+        "async_run": async_run,
+        "stall_ratio_async_over_sync": (
+            round(stall_async / stall_sync, 3) if stall_sync and stall_async is not None else None
+        ),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    write("trl_grpo", result)
+    keys = ("steps", "updates", "reward_first", "reward_last", "cross_generation")
+    keys += ("samples_with_generation", "outside_committed", "stall_s")
+    for name, r in (("wait=True", sync), ("wait=False", async_run)):
+        print(name, {k: r[k] for k in keys})
+
+
+if __name__ == "__main__":
+    main()
