@@ -72,9 +72,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(PreflightFailed):
-    """The checkpoint directory is missing, unreadable or not valid safetensors."""
-
-    code = "checkpoint_error"
+    """The checkpoint directory is missing, unreadable or not valid safetensors. Its API code is
+    ``preflight_failed`` like every refusal before mutation (the message says what is wrong)."""
 
 
 def safetensors_files(directory: Path) -> list[Path]:
