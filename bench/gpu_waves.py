@@ -141,11 +141,11 @@ async def one_wave(
 ) -> tuple[float, list[dict[str, Any]], dict[str, Any]]:
     """``rids`` updated to ``g`` as one wave; (wall seconds, cycle rows, the wave's row)."""
     transport.expect_wave([env.handles[r].engine.url for r in rids])
-    n = len(transport.last_waves)
+    transport.last_waves.clear()
     t0 = now()
     rows = await asyncio.gather(*(run_cycle(env, runner, transport, r, g) for r in rids))
     wall = now() - t0
-    wave = transport.last_waves[n] if len(transport.last_waves) > n else {}
+    wave = transport.last_waves[-1] if transport.last_waves else {}
     return wall, list(rows), {k: v for k, v in wave.items() if k != "checksums"}
 
 

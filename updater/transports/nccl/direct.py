@@ -53,6 +53,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -104,7 +105,7 @@ class NcclDirectTransport(NcclTransport):
         self._wave_groups: dict[tuple[str, ...], _WaveGroup] = {}
         self._wave_index: dict[tuple[str, ...], int] = {}
         self._wave_incarnation: dict[tuple[str, ...], int] = {}
-        self.last_waves: list[dict[str, Any]] = []  # one row per wave sent
+        self.last_waves: deque[dict[str, Any]] = deque(maxlen=64)  # the latest waves sent
 
     # -- checks ------------------------------------------------------------------------------
 
