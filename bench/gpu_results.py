@@ -162,3 +162,38 @@ def merge(
 
 def _short(row: dict[str, Any]) -> dict[str, Any]:
     return {k: row.get(k) for k in ("outcome", "store_state", "generation", "reason")}
+
+
+def merge_waves(run: Path, previous: Path) -> dict[str, Any]:
+    """``previous`` (``bench/results/gpu_update.json``) with the 4-GPU run of
+    :mod:`bench.gpu_waves` added under ``waves`` and ``tp2`` (the whole run under
+    ``details.run_4gpu_waves``); everything else is kept as it was."""
+    d = json.loads(run.read_text())
+    out: dict[str, Any] = json.loads(previous.read_text())
+    by_k = d.get("waves", {})
+    k3, rolling = by_k.get("k3", {}), d.get("rolling", {})
+    head = {
+        "model": Path(d.get("model", "")).name,
+        "gpu": d.get("gpu"),
+        "vllm_version": d.get("vllm_version"),
+        "bytes": d.get("bytes"),
+        "enforce_eager": "--cuda-graphs" not in " ".join(d.get("argv", [])),
+    }
+    out["waves"] = {
+        **head,
+        "replicas_per_broadcast": k3.get("replicas_per_broadcast"),
+        "wave_s": k3.get("wave_s"),
+        "sequential_s": k3.get("sequential_s"),
+        "cross_generation": rolling.get("cross_generation"),
+        "by_k": {k: {key: v for key, v in row.items() if key != "reps"} for k, row in by_k.items()},
+        "rolling": {key: v for key, v in rolling.items() if key not in ("rolls", "verification")},
+    }
+    tp = d.get("tp2", {})
+    out["tp2"] = {
+        **head,
+        "verified": bool(tp.get("verified")),
+        "transfer_GBps": tp.get("transfer_GBps"),
+        **{k: v for k, v in tp.items() if k not in ("verified", "transfer_GBps", "cycles")},
+    }
+    out.setdefault("details", {})["run_4gpu_waves"] = d
+    return out

@@ -29,9 +29,14 @@ the padding rows. On CPU, vLLM repacks linear weights for oneDNN and leaves an e
 ``weight``; such a weight is recovered exactly by applying the layer to an identity matrix
 (``I @ W.T`` adds only exact zeros to each weight), then transposed back.
 
-**Scope.** One worker per replica (tensor and pipeline parallel size 1): with TP > 1 each worker
-holds shards, which neither method maps (they refuse). Names the mapping does not know are
-reported under their runtime name, so a sender's comparison fails closed.
+**Tensor parallel** (TP > 1, pipeline parallel 1): each worker holds shards of the checkpoint
+tensors (:mod:`pool.shards` says which slice lands in which block of which parameter). The layout
+then reports the *full* checkpoint shapes (what a sender sends) and each rank's slice under
+``"shards"``; the direct receive takes each sharded tensor whole into a staging buffer and copies
+the rank's slice into the runtime parameter (a tensor every rank holds whole lands in place), and
+its checksums are over the rank's slice, named ``"<name>@tp<rank>"``. ``rolloutpool_checksums``
+stays TP=1 only. Pipeline parallel is refused. Names the mapping does not know are reported under
+their runtime name, so a sender's comparison fails closed.
 
 Imports: ``torch``, ``vllm`` (inside methods) and :mod:`pool.checksum`; nothing that vLLM's
 worker does not already have.
@@ -44,6 +49,7 @@ import time
 from typing import Any
 
 from pool.checksum import Pending, tensor_checksums, to_json
+from pool.shards import Piece, tp_pieces
 
 __all__ = ["WeightExtension", "runtime_views"]
 
@@ -52,6 +58,13 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+def _nbytes(torch: Any, dtype: str, shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * int(torch.empty((), dtype=getattr(torch, dtype)).element_size())
 
 
 def _recovered_cpu_weight(torch: Any, module: Any, weight: Any) -> Any:
@@ -109,20 +122,36 @@ class WeightExtension:
         runner: Any = getattr(self, "model_runner")  # noqa: B009 - set by vLLM's worker
         return runner.get_model()
 
-    def _rolloutpool_check_single(self) -> None:
+    def _rolloutpool_tp(self, *, sharded_ok: bool) -> tuple[int, int]:
+        """``(tp_rank, tp_size)`` of this worker; refuses PP > 1, and TP > 1 unless
+        ``sharded_ok``."""
         cfg: Any = getattr(self, "parallel_config", None)
         if cfg is None:
             cfg = getattr(self, "vllm_config").parallel_config  # noqa: B009
         tp = int(getattr(cfg, "tensor_parallel_size", 1))
         pp = int(getattr(cfg, "pipeline_parallel_size", 1))
-        if tp != 1 or pp != 1:
-            raise RuntimeError(f"rolloutpool extension: TP={tp} PP={pp}; only TP=PP=1 is mapped")
+        if pp != 1 or (tp != 1 and not sharded_ok):
+            mapped = "TP>=1 with PP=1" if sharded_ok else "only TP=PP=1"
+            raise RuntimeError(f"rolloutpool extension: TP={tp} PP={pp}; {mapped} is mapped")
+        # with PP = 1 the worker's rank within the replica is its tensor-parallel rank
+        return int(getattr(self, "rank", 0)) % tp, tp
 
     # -- read-only ------------------------------------------------------------------------------
 
     def rolloutpool_layout(self) -> dict[str, Any]:
-        """``{"layout": {checkpoint name: [dtype, shape]}, "device": str}``."""
-        self._rolloutpool_check_single()
+        """``{"layout": {checkpoint name: [dtype, shape]}, "device": str}``; with TP > 1 the
+        full shapes, plus ``"shards": {name: [dim, start, length]}`` (the slice of each sharded
+        tensor this rank holds), ``"tp_rank"`` and ``"tp_size"``."""
+        rank, size = self._rolloutpool_tp(sharded_ok=True)
+        if size > 1:
+            pieces = tp_pieces(self._rolloutpool_model(), rank, size)
+            return {
+                "layout": {n: [p.dtype, list(p.shape)] for n, p in pieces.items()},
+                "shards": {n: list(p.slice) for n, p in pieces.items() if p.slice is not None},
+                "tp_rank": rank,
+                "tp_size": size,
+                "device": str(next(iter(pieces.values())).view.device) if pieces else "none",
+            }
         views = runtime_views(self._rolloutpool_model(), writable=False)
         layout = {
             n: [str(t.dtype).rsplit(".", 1)[-1], [int(d) for d in t.shape]]
@@ -133,8 +162,9 @@ class WeightExtension:
 
     def rolloutpool_checksums(self) -> dict[str, Any]:
         """``{"checksums": {checkpoint name: [dtype, shape, plain, weighted]}, "elapsed_s"}``:
-        :mod:`pool.checksum` over the runtime parameters as they are now (one host sync)."""
-        self._rolloutpool_check_single()
+        :mod:`pool.checksum` over the runtime parameters as they are now (one host sync).
+        TP = PP = 1 only."""
+        self._rolloutpool_tp(sharded_ok=False)
         t0 = time.perf_counter()
         views = runtime_views(self._rolloutpool_model(), writable=False)
         sums = tensor_checksums(views.items())
@@ -155,8 +185,9 @@ class WeightExtension:
         """Join the sender's NCCL group (the sender is rank 0 and hosts the rendezvous store at
         ``master_address:master_port``, which also names the group here; a group held under
         that name is aborted first). Groups of several senders may coexist. Blocks until every
-        rank joined (vLLM's store timeout, 300 s, bounds the rendezvous)."""
-        self._rolloutpool_check_single()
+        rank joined (vLLM's store timeout, 300 s, bounds the rendezvous). With TP > 1 every
+        worker joins, as rank ``rank_offset`` + its own rank."""
+        self._rolloutpool_tp(sharded_ok=True)
         torch = _torch()
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
@@ -173,58 +204,113 @@ class WeightExtension:
         self._rolloutpool_comms()[group] = PyNcclCommunicator(pg, device=device)
         return {"group": group, "rank": rank, "init_s": time.perf_counter() - t0}
 
+    def _rolloutpool_pieces(self, plan: list[Any], rank: int, size: int) -> list[Piece]:
+        """The landing place of every ``[name, dtype, shape]`` of ``plan``, resolved before
+        anything is received: a contiguous runtime view (TP=1), or a rank's :class:`Piece`
+        (TP > 1); ``RuntimeError`` for a name with none or another dtype / full shape."""
+        model = self._rolloutpool_model()
+        if size > 1:
+            pieces = tp_pieces(model, rank, size)
+        else:
+            views = runtime_views(model, writable=True)
+            pieces = {
+                n: Piece(tuple(int(d) for d in v.shape), str(v.dtype).rsplit(".", 1)[-1], v, None)
+                for n, v in views.items()
+            }
+        out = []
+        for name, dtype, shape in plan:
+            piece = pieces.get(name)
+            if piece is None:
+                raise RuntimeError(f"no runtime parameter for {name!r}")
+            got = [piece.dtype, list(piece.shape)]
+            if got != [dtype, list(shape)] or not piece.view.is_contiguous():
+                raise RuntimeError(f"{name}: runtime {got} contiguous={piece.view.is_contiguous()}")
+            out.append(piece)
+        return out
+
     def rolloutpool_direct_receive(
-        self, group: str, names: str, checksums: str = "false"
+        self, group: str, names: str, checksums: str = "false", timeout_s: str = "null"
     ) -> dict[str, Any]:
         """Receive ``names`` (a JSON list of ``[checkpoint name, dtype, shape]`` in the
         sender's order) over ``group`` (``"address:port"`` of its init) by one NCCL broadcast
-        each, straight into the runtime parameters. Every name is resolved to a contiguous
-        view of equal dtype and shape *before* the first broadcast (a refusal leaves the
-        weights untouched, and the sender's broadcast stuck until the sender abandons the
-        group). Blocks until all data arrived.
+        each, straight into the runtime parameters (TP > 1: a sharded tensor into a staging
+        buffer, then the rank's slice into its parameter block, on the same stream). Every
+        name is resolved *before* the first broadcast (a refusal leaves the weights untouched,
+        and the sender's broadcast stuck until the sender abandons the group). Blocks until
+        all data arrived, or (``timeout_s``, JSON seconds) until that deadline: then the group
+        is aborted here (``ncclCommAbort``; the weights are partly written) and the call
+        fails, which frees the engine loop for another transfer.
 
         ``checksums`` (JSON ``true``): also the :mod:`pool.checksum` checksums of every
-        parameter received, each computed over the runtime view right after its data landed
-        (on a second stream, ordered after that broadcast by an event, so it overlaps the
-        rest of the transfer), returned under ``"checksums"``: the replica's side of the
-        comparison without a second call in the paused window."""
-        self._rolloutpool_check_single()
+        parameter received (TP > 1: of the rank's slice, named ``"<name>@tp<rank>"``), each
+        computed over the runtime view right after its data landed (on a second stream,
+        ordered after that broadcast by an event, so it overlaps the rest of the transfer),
+        returned under ``"checksums"``: the replica's side of the comparison without a second
+        call in the paused window."""
+        rank, size = self._rolloutpool_tp(sharded_ok=True)
         torch = _torch()
-        comm = self._rolloutpool_comms().get(json.loads(group))
+        name_of_group = json.loads(group)
+        comm = self._rolloutpool_comms().get(name_of_group)
         if comm is None:
-            raise RuntimeError(f"no group {json.loads(group)!r}: rolloutpool_direct_init first")
+            raise RuntimeError(f"no group {name_of_group!r}: rolloutpool_direct_init first")
         plan = json.loads(names)
-        views = runtime_views(self._rolloutpool_model(), writable=True)
-        dsts = []
-        for name, dtype, shape in plan:
-            view = views.get(name)
-            if view is None:
-                raise RuntimeError(f"no runtime parameter for {name!r}")
-            got = [str(view.dtype).rsplit(".", 1)[-1], [int(d) for d in view.shape]]
-            if got != [dtype, list(shape)] or not view.is_contiguous():
-                raise RuntimeError(f"{name}: runtime {got} contiguous={view.is_contiguous()}")
-            dsts.append(view)
+        deadline_s = json.loads(timeout_s)
+        pieces = self._rolloutpool_pieces(plan, rank, size)
         stream = torch.cuda.current_stream()
+        staged = [p for p in pieces if p.slice is not None]
+        staging = None
+        if staged:
+            most = max(_nbytes(torch, p.dtype, p.shape) for p in staged)
+            staging = torch.empty(most, dtype=torch.uint8, device=pieces[0].view.device)
         pending = Pending() if json.loads(checksums) else None
         sum_stream = torch.cuda.Stream() if pending is not None else None
+        wire = 0
         t0 = time.perf_counter()
         with torch.no_grad():
-            for (name, _, _), view in zip(plan, dsts, strict=True):
-                comm.broadcast(view, src=0, stream=stream)
+            for (name, _, _), piece in zip(plan, pieces, strict=True):
+                nbytes = _nbytes(torch, piece.dtype, piece.shape)
+                wire += nbytes
+                if piece.slice is None:
+                    comm.broadcast(piece.view, src=0, stream=stream)
+                else:
+                    assert staging is not None
+                    full = staging[:nbytes].view(getattr(torch, piece.dtype)).view(piece.shape)
+                    comm.broadcast(full, src=0, stream=stream)
+                    piece.view.copy_(piece.source(full))
                 if pending is not None and sum_stream is not None:
                     landed = torch.cuda.Event()
                     landed.record(stream)
                     sum_stream.wait_event(landed)
                     with torch.cuda.stream(sum_stream):
-                        pending.add(name, view)
-        stream.synchronize()
-        out: dict[str, Any] = {"received": len(dsts), "receive_s": time.perf_counter() - t0}
-        out["bytes"] = sum(v.numel() * v.element_size() for v in dsts)
+                        pending.add(f"{name}@tp{rank}" if size > 1 else name, piece.view)
+        self._rolloutpool_wait(stream, name_of_group, deadline_s, t0)
+        out: dict[str, Any] = {"received": len(pieces), "receive_s": time.perf_counter() - t0}
+        out["bytes"] = wire
+        if size > 1:
+            out["tp_rank"] = rank
         if pending is not None and sum_stream is not None:
             with torch.cuda.stream(sum_stream):
                 out["checksums"] = to_json(pending.collect())
             out["checksum_wait_s"] = time.perf_counter() - t0 - out["receive_s"]
         return out
+
+    def _rolloutpool_wait(
+        self, stream: Any, group: str, deadline_s: float | None, t0: float
+    ) -> None:
+        """Wait for ``stream``; past ``deadline_s`` seconds after ``t0``, abort ``group`` and
+        raise."""
+        if deadline_s is None:
+            stream.synchronize()
+            return
+        done = _torch().cuda.Event()
+        done.record(stream)
+        while not done.query():
+            if time.perf_counter() - t0 > float(deadline_s):
+                self.rolloutpool_direct_close(json.dumps(group))
+                raise RuntimeError(
+                    f"receive over {group} not done after {deadline_s} s: group aborted"
+                )
+            time.sleep(0.0005)
 
     def rolloutpool_direct_close(self, group: str = "null") -> dict[str, Any]:
         """Drop a group joined by :meth:`rolloutpool_direct_init` (``ncclCommAbort``): the one

@@ -410,6 +410,10 @@ class Updater:
                     exclude=attempted,
                 )
             )
+            if len(batch) > 1:  # one wave: a transport may send it one copy for all
+                self.runner.transport.expect_wave(
+                    [self.replicas[rid].handle.engine.url for rid in batch]
+                )
             for rid in batch:
                 attempted.add(rid)
                 running[rid] = asyncio.create_task(self._cycle(self.replicas[rid], target, rec))

@@ -31,3 +31,17 @@ def test_config_validation_and_ports() -> None:
     ):
         with pytest.raises(ValidationError):
             NcclConfig(**bad)
+
+
+def test_wave_ports_lie_past_every_per_replica_port() -> None:
+    c = NcclConfig(master_port=30000, port_stride=10, max_incarnations=5)
+    last_replica_port = c.port_for("http://a", 9, c.max_incarnations - 1)
+    assert c.wave_port_for(0, 0) == 30050 > last_replica_port
+    assert c.wave_port_for(2, 1) == 30062  # wave 2, its second group
+    assert NcclConfig(wave_port=40000).wave_port_for(1, 0) == 40001
+    with pytest.raises(ValueError, match="different waves"):
+        c.wave_port_for(10, 0)
+    with pytest.raises(ValueError, match="abandoned"):
+        c.wave_port_for(0, 5)
+    with pytest.raises(ValueError, match="out of range"):
+        NcclConfig(master_port=65000).wave_port_for(0, 0)

@@ -3,19 +3,31 @@ contacted by a submit. Pins audit findings of issue 11 (labels, probe ids, place
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+from collections.abc import Collection
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
 from pool.checkpoint import read_manifest
+from pool.engine import VllmEngine
 from pool.errors import PreflightFailed, StoreConflict
+from pool.evidence import TransferEvidence
+from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord, UpdateState
 from pool.settings import StoreSettings
 from pool.store import RedisStore
-from pool.types import Generation, GenerationRecord, WeightIdentity
+from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
 from router.settings import RouterSettings
 from testkit.models import VOCAB_SIZE, ensure_model
 from updater.api import ProbeSpec, UpdateRequest
+from updater.cycle import Probe, UpdateTarget
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
+from updater.transports.base import Transport, WeightsTarget
+
+S = ReplicaState
 
 
 def updater(store: RedisStore) -> Updater:
@@ -92,3 +104,74 @@ def test_placeholder_secrets_are_refused(secret: str) -> None:
     with pytest.raises(ValidationError, match="placeholder"):
         StoreSettings(password=secret)
     assert RouterSettings(admin_token="9f2c1e7a-real").admin_token is not None
+
+
+class WaveRecorder(Transport):
+    """Records the waves the updater announces; never asked to transfer here."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.waves: list[list[str]] = []
+
+    async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:
+        raise AssertionError("not called: the cycles are stood in for")
+
+    async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:
+        raise AssertionError("not called: the cycles are stood in for")
+
+    def expect_wave(self, urls: Collection[str]) -> None:
+        self.waves.append(sorted(urls))
+
+
+async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: RedisStore) -> None:
+    """Pins that the updater tells the transport which replicas it updates at once (what lets
+    ``nccl_direct`` send them one broadcast): with 3 replicas and ``max_unavailable=2`` the
+    first batch holds 2 (announced together), the last 1 (not announced). The cycles are
+    stood in for by their store transitions (the rolling plan reads only the store)."""
+    model = ensure_model("random", seed=1)
+    ids = ["r0", "r1", "r2"]
+    settings = UpdaterSettings(
+        replicas=[ReplicaConfig(id=i, url=f"http://{i}.test", model=model) for i in ids],
+        max_unavailable=2,
+        min_serving=0,
+    )
+    recorder = WaveRecorder()
+    up = Updater(settings, store, transport=recorder)
+    token = await up.lease.acquire()
+    g0, g1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
+    for i in ids:
+        await store.register_replica(i, f"http://{i}.test", token)
+        await store.transition(i, token, S.UNINITIALIZED, S.READY, generation=g0, publish=True)
+    together: list[set[str]] = []
+    running: set[str] = set()
+
+    async def cycle(m: Any, target: UpdateTarget, rec: UpdateRecord) -> ReplicaReport:
+        running.add(m.id)
+        together.append(set(running))
+        await asyncio.sleep(0.05)
+        path = [S.READY, S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING]
+        for a, b in itertools.pairwise([*path, S.RESUMING]):
+            await store.transition(m.id, token, a, b, target=g1 if b is S.DRAINING else None)
+        await store.transition(
+            m.id, token, S.RESUMING, S.READY, generation=g1, identity_digest="i1", publish=True
+        )
+        running.discard(m.id)
+        return ReplicaReport(replica=m.id, generation=1, outcome=ReplicaOutcome.READY)
+
+    up._cycle = cycle  # type: ignore[method-assign]
+    ident = WeightIdentity(manifest_digest=read_manifest(model).digest, checkpoint_uri="/g1")
+    rec = UpdateRecord(
+        id="up-1",
+        state=UpdateState.QUEUED,
+        generation=1,
+        label="g1",
+        checkpoint="/g1",
+        identity_digest=ident.digest,
+        created_ms=0,
+    )
+    await up._roll(rec, UpdateTarget(g1, ident, model, Probe((1,), (2,))))
+    assert rec.state is UpdateState.SUCCEEDED
+    assert recorder.waves == [["http://r0.test", "http://r1.test"]]
+    assert {"r0", "r1"} in together  # they did run at once
+    await up.lease.release()

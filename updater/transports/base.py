@@ -25,6 +25,7 @@ transports are built by name through :mod:`updater.transports.registry`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Self
@@ -73,6 +74,12 @@ class Transport(ABC):
 
     def forget(self, url: str) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Drop per-replica state (e.g. an NCCL group) after the replica at ``url`` restarted."""
+
+    def expect_wave(self, urls: Collection[str]) -> None:  # noqa: B027 - optional hook
+        """The caller is about to update the replicas at ``urls`` concurrently to one target
+        (a wave of the rolling plan); each cycle still calls :meth:`transfer` on its own. A
+        transport that can send one copy to several replicas may gather those transfers
+        (``nccl_direct``); by default this is ignored."""
 
     @abstractmethod
     async def transfer(self, engine: VllmEngine, target: WeightsTarget) -> TransferEvidence:

@@ -44,6 +44,15 @@ class NcclConfig(BaseModel):
     #: the checkpoint per replica; off by default for multi-GB checkpoints).
     verify_content_hash: bool = False
     chunk_timings: bool = False  # CUDA events around each broadcast (static API only)
+    #: ``nccl_direct`` waves (:mod:`~updater.transports.nccl.waves`): how long the first
+    #: replica of a planned wave waits, paused, for the others to arrive (those that do not are
+    #: sent alone); the replicas' own deadline on a wave's receive (a stuck wave frees them
+    #: then, for a transfer alone: keep it well under the cycle's transfer deadline); the first
+    #: rendezvous port of wave groups (None: right after every per-replica port,
+    #: ``master_port + port_stride * max_incarnations``).
+    wave_gather_s: float = Field(default=2.0, ge=0)
+    wave_receive_timeout_s: float = Field(default=60.0, gt=0)
+    wave_port: int | None = Field(default=None, ge=1024, le=65535)
 
     @field_validator("replica_ports")
     @classmethod
@@ -72,4 +81,17 @@ class NcclConfig(BaseModel):
         port = base + incarnation * self.port_stride
         if port > 65535:
             raise ValueError(f"{url}: rendezvous port {port} is out of range")
+        return port
+
+    def wave_port_for(self, index: int, incarnation: int) -> int:
+        """The rendezvous port of the ``incarnation``-th group of the ``index``-th wave (set of
+        replicas) this transport has seen."""
+        if incarnation >= self.max_incarnations:
+            raise ValueError(f"wave {index}: more than {self.max_incarnations} groups abandoned")
+        if index >= self.port_stride:
+            raise ValueError(f"more than {self.port_stride} different waves")
+        base = self.wave_port or self.master_port + self.port_stride * self.max_incarnations
+        port = base + index + incarnation * self.port_stride
+        if port > 65535:
+            raise ValueError(f"wave {index}: rendezvous port {port} is out of range")
         return port

@@ -56,10 +56,12 @@ __all__ = [
     "Rendezvous",
     "Sender",
     "SenderCore",
+    "Shard",
     "StaticInit",
     "StaticSend",
     "ThreadSender",
     "WireSource",
+    "shard_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -164,18 +166,30 @@ class DirectInit(Command[float]):
         return core.direct_init(self.at)
 
 
+#: A slice of one tensor a tensor-parallel rank holds: ``(name, dim, start, length)``.
+Shard = tuple[str, int, int, int]
+
+
+def shard_key(shard: Shard) -> str:
+    """The name the sender's checksum of ``shard`` is returned under."""
+    name, dim, start, length = shard
+    return f"{name}|{dim}:{start}:{length}"
+
+
 @dataclass(frozen=True)
 class DirectSend(Command[dict[str, Any]]):
     """``nccl_direct``: broadcast the tensors of ``source`` named in ``wire`` (in order) over
-    group ``key``, one broadcast each, and checksum *every* tensor of the source meanwhile;
-    returns the timings and ``checksums`` (:func:`pool.checksum.to_json`)."""
+    group ``key``, one broadcast each, and checksum *every* tensor of the source meanwhile, and
+    each slice in ``shards`` (what tensor-parallel ranks hold); returns the timings,
+    ``checksums`` and ``shard_checksums`` (by :func:`shard_key`; :func:`pool.checksum.to_json`)."""
 
     key: str
     source: WireSource
     wire: tuple[str, ...]
+    shards: tuple[Shard, ...] = ()
 
     def run(self, core: SenderCore) -> dict[str, Any]:
-        return core.direct_send(self.key, self.source, self.wire)
+        return core.direct_send(self.key, self.source, self.wire, self.shards)
 
 
 # ------------------------------------------------------------------------------ senders
@@ -220,8 +234,10 @@ class Sender(ABC):
     def direct_init(self, at: Rendezvous) -> float:
         return self.run(DirectInit(at))
 
-    def direct_send(self, key: str, source: WireSource, wire: tuple[str, ...]) -> dict[str, Any]:
-        return self.run(DirectSend(key, source, wire))
+    def direct_send(
+        self, key: str, source: WireSource, wire: tuple[str, ...], shards: tuple[Shard, ...] = ()
+    ) -> dict[str, Any]:
+        return self.run(DirectSend(key, source, wire, shards))
 
 
 class ThreadSender(Sender):
@@ -447,11 +463,13 @@ class SenderCore:
         self.groups[at.key] = pynccl.PyNcclCommunicator(pg, device=device)
         return time.perf_counter() - t0
 
-    def direct_send(self, key: str, source: WireSource, wire: tuple[str, ...]) -> dict[str, Any]:
+    def direct_send(
+        self, key: str, source: WireSource, wire: tuple[str, ...], shards: tuple[Shard, ...] = ()
+    ) -> dict[str, Any]:
         """One broadcast per tensor named in ``wire`` (in that order, on a stream of its own),
         straight from the source's tensors; meanwhile the checksums of every tensor of the
-        source are computed on a second stream (both only read the tensors, so they overlap on
-        the GPU). Returns when both are done."""
+        source, and of each slice in ``shards``, are computed on a second stream (both only
+        read the tensors, so they overlap on the GPU). Returns when both are done."""
         torch = import_untyped("torch")
         checksum = import_untyped("pool.checksum")
         self._set_device()
@@ -468,14 +486,17 @@ class SenderCore:
         for name in wire:
             group.broadcast(by_name[name], src=0, stream=send_stream)
         enqueued = time.perf_counter() - t0
-        sums = checksum.tensor_checksums(named, stream=sum_stream)  # syncs sum_stream only
+        slices = [(shard_key(s), by_name[s[0]].narrow(*s[1:])) for s in shards if s[0] in by_name]
+        sums = checksum.tensor_checksums(named + slices, stream=sum_stream)  # syncs sum_stream
         checksum_s = time.perf_counter() - t0 - enqueued
         send_stream.synchronize()
+        keys = {k for k, _ in slices}
         return {
             "send_enqueue_s": enqueued,
             "send_s": time.perf_counter() - t0,
             "checksum_s": checksum_s,
-            "checksums": checksum.to_json(sums),
+            "checksums": checksum.to_json({k: v for k, v in sums.items() if k not in keys}),
+            "shard_checksums": checksum.to_json({k: v for k, v in sums.items() if k in keys}),
         }
 
     # -- teardown ----------------------------------------------------------------------------

@@ -297,9 +297,25 @@ class NcclTransport(Transport):
         """Send ``target`` into ``engine`` (which must be paused). See the module docstring for
         the failure classes; timings of this transfer go to ``self.last[url]``."""
         t_start = time.monotonic()
+        checked = await self._checked_paused(engine, target)
+        return await self._transfer_checked(engine, target, checked, t_start)
+
+    async def _checked_paused(self, engine: VllmEngine, target: WeightsTarget) -> _Checked:
+        """What the preflight of ``target`` checked for this replica (else the same checks
+        now), once the engine is confirmed paused (else :class:`~pool.errors.NoMutation`)."""
         checked = self._checked.pop(engine.url.rstrip("/"), None)
         if checked is None or checked.target != target:  # not preflighted: check before any call
             checked = await self._check(engine, target)
+        if not await engine.is_paused():
+            raise NoMutation(
+                f"refusing to send weights into {engine.url}: not paused", url=engine.url
+            )
+        return checked
+
+    async def _transfer_checked(
+        self, engine: VllmEngine, target: WeightsTarget, checked: _Checked, t_start: float
+    ) -> TransferEvidence:
+        """:meth:`transfer` once :meth:`_checked_paused` passed: over this replica's group."""
         specs, family = list(checked.specs), checked.family
         rep = self._replica(engine.url)
         packing = self.packing
@@ -310,10 +326,6 @@ class NcclTransport(Transport):
             "bytes": nbytes,
             "packing": packing.model_dump(),
         }
-        if not await engine.is_paused():
-            raise NoMutation(
-                f"refusing to send weights into {engine.url}: not paused", url=engine.url
-            )
         group = await self._ensure_group(engine, rep, family, packing, timings)
         try:
             t0 = time.monotonic()
