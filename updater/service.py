@@ -396,19 +396,20 @@ class Updater:
                 rec.rolled_ms = _now_ms()
                 rec.staleness_window_s = (rec.rolled_ms - rec.created_ms) / 1000
                 break
-            # before the generation is published, one replica at a time: it must prove it first
+            # before the generation is published, one replica alone: it must prove it first
+            room = (s.max_unavailable if published else 1) - len(running)
             batch = (
-                []
-                if (not published and running)
-                else plan.next_batch(
+                plan.next_batch(
                     records,
                     target.generation.number,
                     None if latest is None else latest[0].number,
-                    max_unavailable=s.max_unavailable - len(running),
+                    max_unavailable=room,
                     min_serving=s.min_serving,
                     max_staleness=s.max_staleness,
                     exclude=attempted,
                 )
+                if room > 0
+                else []
             )
             if len(batch) > 1:  # one wave: a transport may send it one copy for all
                 self.runner.transport.expect_wave(

@@ -126,9 +126,10 @@ class WaveRecorder(Transport):
 
 async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: RedisStore) -> None:
     """Pins that the updater tells the transport which replicas it updates at once (what lets
-    ``nccl_direct`` send them one broadcast): with 3 replicas and ``max_unavailable=2`` the
-    first batch holds 2 (announced together), the last 1 (not announced). The cycles are
-    stood in for by their store transitions (the rolling plan reads only the store)."""
+    ``nccl_direct`` send them one broadcast), and that the first replica of an update goes alone
+    (nothing is published until it proved the generation): with 3 replicas and
+    ``max_unavailable=2``, r0 alone, then r1 and r2 as one wave. The cycles are stood in for by
+    their store transitions (the rolling plan reads only the store)."""
     model = ensure_model("random", seed=1)
     ids = ["r0", "r1", "r2"]
     settings = UpdaterSettings(
@@ -172,6 +173,6 @@ async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: Re
     )
     await up._roll(rec, UpdateTarget(g1, ident, model, Probe((1,), (2,))))
     assert rec.state is UpdateState.SUCCEEDED
-    assert recorder.waves == [["http://r0.test", "http://r1.test"]]
-    assert {"r0", "r1"} in together  # they did run at once
+    assert recorder.waves == [["http://r1.test", "http://r2.test"]]
+    assert together[0] == {"r0"} and {"r1", "r2"} in together  # r1 and r2 ran at once
     await up.lease.release()
