@@ -232,39 +232,52 @@ def _now(report: ReplicaReport | None) -> Text:
     return Text(f"{report.outcome.value.upper()}", style=style)
 
 
+#: Phases the live table leaves out when the terminal is too narrow for every column: they take
+#: milliseconds, and the "now" column still names them while they run.
+BRIEF = ("preflight", "pause")
+
+
+def _table(
+    rec: UpdateRecord,
+    rows: Sequence[str],
+    columns: Sequence[str],
+    running: Callable[[str], float | None],
+    elapsed_s: float,
+) -> Table:
+    t = Table(title_justify="left", box=None, pad_edge=False, collapse_padding=True)
+    t.title = (
+        f"update {rec.id} → generation {rec.generation} ({rec.label})  "
+        f"{rec.state.value}  {seconds(elapsed_s)}"
+    )
+    t.add_column("replica", no_wrap=True)
+    t.add_column("now", no_wrap=True)
+    for p in columns:
+        t.add_column(p, justify="right", no_wrap=True)
+    t.add_column("window", justify="right", no_wrap=True)
+    for rid in rows:
+        report = rec.replicas.get(rid)
+        window = "" if report is None or report.window_s is None else seconds(report.window_s)
+        t.add_row(rid, _now(report), *(_cell(report, p, running(rid)) for p in columns), window)
+    return t
+
+
 def table(
     rec: UpdateRecord,
     replicas: Sequence[str],
     running: Callable[[str], float | None],
     elapsed_s: float,
+    width: int | None = None,
 ) -> Group:
     """The live view of ``rec``: a title, one row per replica (``replicas`` first, in that
-    order, then any other the record names), one column per phase, the reasons below.
+    order, then any other the record names), one column per phase (without :data:`BRIEF` if
+    the table would be wider than ``width``), the reasons and the final outcome below.
     ``running(rid)`` gives the seconds the replica's current phase has run."""
     rows = list(dict.fromkeys([*replicas, *rec.replicas]))
-    phases = list(PHASES) + [
-        p for r in rec.replicas.values() for p in [*r.phases, r.phase or ""] if p
-    ]
-    columns = list(dict.fromkeys(phases))
-    t = Table(title_justify="left", box=None, pad_edge=False)
-    t.title = (
-        f"update {rec.id} → generation {rec.generation} ({rec.label})  "
-        f"{rec.state.value}  {seconds(elapsed_s)}"
-    )
-    t.add_column("replica")
-    t.add_column("now")
-    for p in columns:
-        t.add_column(p, justify="right")
-    t.add_column("window", justify="right")
-    for rid in rows:
-        report = rec.replicas.get(rid)
-        window = "" if report is None or report.window_s is None else seconds(report.window_s)
-        t.add_row(
-            rid,
-            _now(report),
-            *(_cell(report, p, running(rid)) for p in columns),
-            window,
-        )
+    reported = [p for r in rec.replicas.values() for p in [*r.phases, r.phase or ""] if p]
+    columns = list(dict.fromkeys([*PHASES, *reported]))
+    t = _table(rec, rows, columns, running, elapsed_s)
+    if width is not None and Console(width=1 << 12).measure(t).maximum > width:
+        t = _table(rec, rows, [p for p in columns if p not in BRIEF], running, elapsed_s)
     notes = [
         Text(f"{r.replica}: {r.reason}", style="red")
         for r in rec.replicas.values()
@@ -279,6 +292,7 @@ class LiveTable:
     """:func:`table` refreshed in place on ``console`` (rich ``Live``); the last view stays."""
 
     def __init__(self, console: Console, replicas: Sequence[str] = ()) -> None:
+        self.console = console
         self.replicas = list(replicas)
         self.tracker = Tracker()
         self.t0 = time.monotonic()
@@ -288,7 +302,13 @@ class LiveTable:
     def show(self, rec: UpdateRecord) -> None:
         now = time.monotonic()
         self.tracker.feed(rec, now)
-        view = table(rec, self.replicas, lambda rid: self.tracker.running(rid, now), now - self.t0)
+        view = table(
+            rec,
+            self.replicas,
+            lambda rid: self.tracker.running(rid, now),
+            now - self.t0,
+            self.console.width,
+        )
         self.live.update(view, refresh=True)
 
     def close(self) -> None:
@@ -301,6 +321,7 @@ def dumps(rec: UpdateRecord) -> str:
 
 
 __all__ = [
+    "BRIEF",
     "PHASES",
     "Event",
     "JsonLines",

@@ -35,6 +35,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import GenerationRecord, WeightIdentity
 from pool.web import start_server
+from rolloutpool import progress
 from rolloutpool.cli import cli
 from rolloutpool.errors import ExitCode
 from router.settings import RouterSettings
@@ -296,6 +297,28 @@ async def test_push_jsonl_prints_a_record_per_change_and_the_final_one_last(pool
     assert [x.state.final for x in records] == [False] * (len(records) - 1) + [True]
     assert records[-1].state is UpdateState.SUCCEEDED
     assert len({x.model_dump_json() for x in records}) == len(records)  # only changes
+
+
+@pytest.mark.parametrize("columns", [120, 70])
+async def test_push_live_redraws_a_table_per_replica(pool: Pool, columns: int) -> None:
+    """``--progress live`` is what a terminal gets; on a narrow one the two brief phases go."""
+    args = push_args(pool, "--progress", "live")
+    run = asyncio.to_thread(CliRunner(env={"COLUMNS": str(columns)}).invoke, cli, args)
+    r, _ = await asyncio.gather(run, pool.play_worker(*CYCLE))
+    assert r.exit_code == 0, r.output
+    assert "\x1b[" in r.stdout  # cursor movement: redrawn in place
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", r.stdout)
+    assert max(len(x) for x in plain.splitlines()) <= columns
+    header = [x.split() for x in plain.splitlines() if x.split()[:2] == ["replica", "now"]][-1]
+    row = [x.split() for x in plain.splitlines() if x.startswith("r0 ")][-1]
+    if columns == 120:
+        assert header[2:] == [*progress.PHASES, "window"]
+        times = ["0.01s", "0.20s", "0.00s", "0.91s", "0.01s", "0.31s", "0.02s", "1.25s"]
+    else:
+        assert header[2:] == ["drain", "transfer", "invalidate", "validate", "resume", "window"]
+        times = ["0.20s", "0.91s", "0.01s", "0.31s", "0.02s", "1.25s"]
+    assert row == ["r0", "READY", *times]
+    assert " ".join(plain.split()).endswith("(staleness window 1.90s)")
 
 
 async def test_a_failed_update_exits_1_with_its_reason(pool: Pool) -> None:
