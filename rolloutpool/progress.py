@@ -143,7 +143,7 @@ def line(event: Event) -> str:
             details.append(f"update window {seconds(r.window_s)}")
         if details:
             text += f" ({'; '.join(details)})"
-        return text + (f": {r.reason}" if r.reason else "")
+        return text + (f": {r.reason.strip()}" if r.reason.strip() else "")
     return summary(event.record)
 
 
@@ -160,7 +160,7 @@ def summary(rec: UpdateRecord) -> str:
         if rec.staleness_window_s is not None:
             text += f" (staleness window {seconds(rec.staleness_window_s)})"
         return text
-    return f"{head} {rec.state.value}: {rec.error or 'no reason recorded'}"
+    return f"{head} {rec.state.value}: {rec.error.strip() or 'no reason recorded'}"
 
 
 # ---------------------------------------------------------------------------------- views
