@@ -666,14 +666,13 @@ def push(
     ckpt = checkpoint.expanduser().resolve()
     if not ckpt.is_dir():
         raise CliError(ExitCode.REFUSED, f"the checkpoint {ckpt} is not a directory")
+    probe = None if probe_file is None else _read_probe(probe_file)
     queued: dict[str, Any] | None = None
     try:
         with UpdaterClient(updater, token) as client:
             with _calling(updater, "checking the token", refused=False):
                 client.list(limit=1)
-            if probe_file is not None:
-                probe = _read_probe(probe_file)
-            else:
+            if probe is None:
                 say(f"computing the validation probe of {ckpt} ...")
                 probe = _probe(ckpt, margin)
             with _calling(updater, "pushing", refused=True):
