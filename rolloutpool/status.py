@@ -8,22 +8,32 @@ last update's outcome.
 * :func:`read_last_update` — the newest record of ``GET <updater>/v1/updates`` (admin token).
   Never raises: without a token, or when the updater cannot tell, it returns a note saying so.
 * :func:`render` — the text (the same for a terminal and a pipe).
+* :func:`status` — the command; ``--watch`` refreshes in place on a terminal and prints one
+  block (or JSON line) per refresh when piped.
 
 Blocking (httpx, synchronous); each call makes at most one request with a 5 s timeout.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import httpx
 from pydantic import ValidationError
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
 
 from pool.records import ReplicaOutcome, UpdateRecord
+from pool.types import ReplicaState
 from pool.web import PoolView
-from rolloutpool.errors import CliError, ExitCode, auth_header, describe
+from rolloutpool.errors import EXIT_CODES_HELP, CliError, ExitCode, auth_header, describe
+from rolloutpool.options import base_url, router_option, token_option, updater_option
 from rolloutpool.progress import seconds
 from updater.client import UpdaterAPIError, UpdaterClient
 
@@ -154,7 +164,7 @@ def render(router: str, view: PoolView, last: LastUpdate, now_ms: int | None = N
             f"{r.replica_id:<14}{r.state.value:<14}{gen:>4}  {r.label or '-':<12}"
             f"{r.active:>7}{r.capacity:>9}"
         )
-        if r.reason and r.state.value != "READY":
+        if r.reason and r.state is not ReplicaState.READY:
             lines.append(f"  {r.reason}")
     if not view.replicas:
         lines.append("(no replica is registered)")
@@ -178,4 +188,117 @@ def as_json(router: str, view: PoolView, last: LastUpdate) -> dict[str, Any]:
     }
 
 
-__all__ = ["LastUpdate", "as_json", "read_last_update", "read_pool", "render", "render_update"]
+# ---------------------------------------------------------------------------------- command
+
+
+def _watch(read: Callable[[], tuple[str, dict[str, Any]]], every: float, json_out: bool) -> None:
+    """Show ``read()`` every ``every`` s until Ctrl-C: in place on a terminal, else one block
+    (or JSON line) per refresh. A service out of reach is shown and retried; a refused token
+    ends the watch (it will not fix itself)."""
+    console = Console()
+    live = None
+    if console.is_terminal and not json_out:
+        live = Live(console=console, auto_refresh=False)
+        live.start()
+    try:
+        while True:
+            stamp = time.strftime("%H:%M:%S")
+            try:
+                text, data = read()
+            except CliError as e:
+                if e.exit_code == ExitCode.AUTH:
+                    raise
+                text, data = f"Error: {e.message}", {"error": e.message}
+            if json_out:
+                click.echo(json.dumps({"time": stamp, **data}))
+            elif live is not None:
+                head = f"{stamp}  refreshed every {every:g}s; Ctrl-C stops\n\n"
+                live.update(Text(head + text), refresh=True)
+            else:
+                click.echo(f"--- {stamp}\n{text}\n")
+            time.sleep(every)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+
+
+@click.command(
+    epilog=f"""\b
+Examples:
+  rolloutpool status
+  rolloutpool status --token $TOKEN --watch          refresh every 2 s; with the last update
+  rolloutpool status --router http://pool:8000 --api-key $KEY --json
+
+{EXIT_CODES_HELP}"""
+)
+@router_option
+@updater_option
+@click.option(
+    "--api-key",
+    metavar="KEY",
+    envvar="ROLLOUTPOOL_API_KEY",
+    show_envvar=True,
+    show_default="none: the admin token, if given",
+    help="A client API key for the router (needed when the router has API keys).",
+)
+@token_option("for the last update; also accepted by the router")
+@click.option(
+    "--watch",
+    type=click.FloatRange(min=0.2),
+    is_flag=False,
+    flag_value=2.0,
+    default=None,
+    metavar="[SECONDS]",
+    envvar="ROLLOUTPOOL_STATUS_WATCH",
+    show_envvar=True,
+    show_default="off; 2 s without a value",
+    help="Refresh every SECONDS until Ctrl-C.",
+)
+@click.option(
+    "--json",
+    "json_out",
+    is_flag=True,
+    envvar="ROLLOUTPOOL_STATUS_JSON",
+    show_envvar=True,
+    show_default="off",
+    help="Print JSON: {router, pool, last_update, last_update_note} (one line per refresh).",
+)
+def status(
+    router: str,
+    updater: str,
+    api_key: str | None,
+    token: str | None,
+    watch: float | None,
+    json_out: bool,
+) -> None:
+    """Show the published generation, every replica and the last update.
+
+    Per replica: state, generation, label, active rollouts and capacity (from the router's
+    /v1/pool). The last update's outcome comes from the updater and needs the admin token;
+    without it the status says so.
+    """
+    router, updater = base_url(router), base_url(updater)
+
+    def read() -> tuple[str, dict[str, Any]]:
+        view = read_pool(router, api_key or token)
+        last = read_last_update(updater, token)
+        return render(router, view, last), as_json(router, view, last)
+
+    if watch is None:
+        text, data = read()
+        click.echo(json.dumps(data) if json_out else text)
+    else:
+        _watch(read, watch, json_out)
+
+
+__all__ = [
+    "LastUpdate",
+    "as_json",
+    "read_last_update",
+    "read_pool",
+    "render",
+    "render_update",
+    "status",
+]
