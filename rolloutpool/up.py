@@ -14,7 +14,7 @@ import shlex
 import signal
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import yaml
@@ -23,14 +23,19 @@ from pydantic import ValidationError
 from pool.errors import RolloutPoolError
 from pool.types import ReplicaState
 from pool.web import PoolView
-from rolloutpool.embedded import EmbeddedPool, PoolConfig
 from rolloutpool.errors import CliError, ExitCode
 from rolloutpool.status import read_pool
+
+if TYPE_CHECKING:  # the embedded pool needs testkit and the router: imported when it runs, so
+    # that status and push work where only pool, router and updater are installed (deploy/)
+    from rolloutpool.embedded import EmbeddedPool, PoolConfig
 
 
 def pool_config(path: Path | None, overrides: dict[str, Any]) -> PoolConfig:
     """The YAML file's settings (none: the defaults) with the non-None ``overrides`` on top;
     a file that cannot be read or holds invalid settings is a usage error (exit 2)."""
+    from rolloutpool.embedded import PoolConfig
+
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -221,4 +226,6 @@ def up(
     )
     _check_port(cfg.router_port, "--router-port")
     _check_port(cfg.updater_port, "--updater-port")
+    from rolloutpool.embedded import EmbeddedPool
+
     asyncio.run(_serve(EmbeddedPool(cfg)))

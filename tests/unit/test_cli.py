@@ -17,6 +17,8 @@ import asyncio
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +101,19 @@ def test_exit_codes_are_listed_in_the_help_and_the_readme() -> None:
             assert re.search(rf"^\s+{code.value}\s+\S", text, re.M), (name, code)
     table = dict(re.findall(r"^\| `(\d+)` \| (.+?) \|$", readme, re.M))
     assert {int(c) for c in table} == {c.value for c in ExitCode}
+
+
+def test_status_and_push_run_where_testkit_is_not_installed() -> None:
+    """The deploy image has pool, router, updater and rolloutpool, not testkit (which only the
+    embedded pool of ``up`` and ``demo`` needs). Pins: every command imported it."""
+    code = (
+        "import sys; sys.modules['testkit'] = None\n"
+        "from rolloutpool.cli import main\n"
+        "main(['status', '--router', 'http://127.0.0.1:9'])"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == ExitCode.UNREACHABLE, r.stderr
+    assert r.stderr.startswith("Error: cannot reach the router at http://127.0.0.1:9")
 
 
 # ---------------------------------------------------------------------------------- fixtures
