@@ -20,7 +20,6 @@ import click
 import httpx
 from rich.console import Console
 
-from pool.errors import RolloutPoolError
 from pool.records import UpdateRecord, UpdateState
 from pool.web import PoolView
 from rolloutpool import progress
@@ -82,9 +81,10 @@ def _probe(checkpoint: Path, margin: float) -> tuple[list[int], list[int]]:
             f"computing the validation probe needs torch and transformers ({e}); "
             "install the cpu or gpu extra",
         ) from e
-    except (OSError, ValueError, RolloutPoolError) as e:
+    except Exception as e:  # transformers/torch/safetensors refusing the user's directory
         raise CliError(
-            ExitCode.REFUSED, f"no validation probe from {checkpoint}: {str(e)[:300]}"
+            ExitCode.REFUSED,
+            f"no validation probe from {checkpoint}: {type(e).__name__}: {str(e)[:300]}",
         ) from e
 
 

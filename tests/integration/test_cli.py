@@ -219,7 +219,7 @@ def test_push_json_lines_for_machines(up: Up, tiny_models: TinyModels) -> None:
 
 
 def test_errors_a_user_can_cause_print_one_line_and_a_documented_code(
-    up: Up, tiny_models: TinyModels
+    up: Up, tiny_models: TinyModels, tmp_path: Path
 ) -> None:
     base = ["push", str(tiny_models.a), "--updater", up.updater]
     r = run(*base, "--token", "not-the-token")
@@ -231,6 +231,11 @@ def test_errors_a_user_can_cause_print_one_line_and_a_documented_code(
     assert "the updater refused the checkpoint: 422" in one_error_line(r)
     r = run(*base, "--token", up.token, "--label", "g0")
     assert r.returncode == 3 and "already names generation 0" in one_error_line(r)
+    not_a_model = tmp_path / "weights-only"
+    not_a_model.mkdir()
+    (not_a_model / "model.safetensors").write_bytes(b"not safetensors")
+    r = run("push", str(not_a_model), "--updater", up.updater, "--token", up.token)
+    assert r.returncode == 3 and "no validation probe from" in one_error_line(r)
     r = run("status", "--router", f"http://127.0.0.1:{free_port()}")
     assert r.returncode == 4 and "cannot reach the router" in one_error_line(r)
 
