@@ -1,165 +1,156 @@
-"""``rolloutpool`` — up | status | push | demo.
+"""The ``rolloutpool`` command (click): ``up``, ``status``, ``push``, ``demo``.
 
-* ``up [--config pool.yaml] [--provider local|ray] [--ray-address ADDR]``: start the embedded
-  pool (local redis-server, N vLLM CPU replicas as local processes or Ray actors, updater,
-  router) and serve until Ctrl-C.
-* ``status [--router URL]``: replicas, states, generations and active rollouts.
-* ``push CHECKPOINT [--updater URL --token T --step N --label L]``: compute the validation probe
-  from the checkpoint (transformers, CPU) and push it; waits for the rolling update unless
-  ``--no-wait``.
-* ``demo``: bring up the embedded pool and run a tiny RL loop through it (see
-  :mod:`rolloutpool.demo`); writes ``bench/results/demo.json`` and ``demo.png``.
+Every option has a help line with its default and its environment variable (``--help`` shows
+them); every command's epilog has examples; ``push`` and ``status`` list the exit codes
+(:class:`rolloutpool.errors.ExitCode`). A failure a user can cause (an unreachable service, a
+wrong token, a refused checkpoint) ends with one ``Error: ...`` line on stderr and its exit code,
+never a traceback.
+
+The commands live beside what they use: ``up`` in :mod:`rolloutpool.up`, ``status`` in
+:mod:`rolloutpool.status`, ``push`` in :mod:`rolloutpool.push`; ``demo`` (below) runs
+:mod:`rolloutpool.demo`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import json
-import os
-import signal
-import sys
 from pathlib import Path
-from typing import Any
 
-import httpx
-import yaml
+import click
 
-from rolloutpool.embedded import EmbeddedPool, PoolConfig
-
-
-def _config(path: Path | None, **overrides: Any) -> PoolConfig:
-    """The YAML at ``path`` (if any) with the command line's ``overrides`` (None: not given)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        data = yaml.safe_load(path.read_text()) or {}
-    if overrides.get("provider") is not None:
-        data["provider"] = overrides["provider"]
-    if overrides.get("ray_address") is not None:
-        data.setdefault("ray", {})["address"] = overrides["ray_address"]
-    return PoolConfig(**data)
+from rolloutpool.errors import CliError, ExitCode
+from rolloutpool.options import SETTINGS
+from rolloutpool.push import push
+from rolloutpool.status import status
+from rolloutpool.up import pool_config, up
 
 
-async def _up(config: PoolConfig) -> None:
-    pool = EmbeddedPool(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await pool.start()
-        print("pool is up; Ctrl-C stops it", flush=True)
-        await stop.wait()
-    finally:
-        print("stopping ...", flush=True)
-        await pool.stop()
+@click.group(
+    context_settings=SETTINGS,
+    epilog="""\b
+Examples:
+  rolloutpool up                          start a local pool; it prints what to run next
+  rolloutpool status --watch              the replicas, their generations, the last update
+  rolloutpool push /ckpts/step-700 --step 700 --token $TOKEN
+  rolloutpool COMMAND --help              a command's options, defaults, environment variables""",
+)
+def cli() -> None:
+    """\b
+    RolloutPool: vLLM replicas serving RL rollouts, hot-updated one at a time.
+    Start here: 'rolloutpool up' (a local pool); then 'status' and 'push'.
+    """
 
 
-def _status(router: str) -> int:
-    try:
-        pool = httpx.get(f"{router}/v1/pool", timeout=5).json()
-    except httpx.HTTPError as e:
-        print(f"cannot reach the router at {router}: {e}", file=sys.stderr)
-        return 2
-    latest = pool.get("latest") or {}
-    print(f"published generation: {latest.get('generation', '-')} ({latest.get('label', '-')})")
-    print(f"{'replica':<12} {'state':<13} {'gen':>4} {'label':<10} {'active':>6}  url")
-    for r in pool.get("replicas", []):
-        gen = "-" if r.get("generation") is None else r["generation"]
-        print(
-            f"{r['replica_id']:<12} {r['state']:<13} {gen:>4} {r.get('label') or '-':<10} "
-            f"{r.get('active', 0):>6}  {r.get('url', '')}"
-        )
-    return 0
+cli.add_command(up)
+cli.add_command(status)
+cli.add_command(push)
 
 
-def _push(args: argparse.Namespace) -> int:
-    from updater.client import UpdateFailed, UpdaterAPIError, UpdaterClient
-    from updater.probe import probe_from_checkpoint
+@cli.command(
+    short_help="Run a tiny RL loop through a fresh local pool (about 3 min).",
+    epilog="""\b
+Examples:
+  rolloutpool demo
+  rolloutpool demo --steps 10 --push-every 5 --results /tmp/demo
 
-    ckpt = Path(args.checkpoint).resolve()
-    print(f"computing the validation probe of {ckpt} ...", flush=True)
-    probe = probe_from_checkpoint(ckpt, margin=args.margin)
-    with UpdaterClient(args.updater, args.token) as client:
-        try:
-            rec = client.push(ckpt, probe=probe, step=args.step, label=args.label)
-            print(f"queued {rec['id']}: generation {rec['generation']} ({rec['label']})")
-            if not args.no_wait:
-                rec = client.wait(rec["id"], timeout_s=args.timeout)
-                print(json.dumps(rec, indent=2))
-        except (UpdaterAPIError, UpdateFailed) as e:
-            print(f"push failed: {e}", file=sys.stderr)
-            return 1
-    return 0
+\b
+Exit codes: 0 no rollout crossed a generation and the reward rose; 1 otherwise.""",
+)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="ROLLOUTPOOL_CONFIG",
+    show_envvar=True,
+    show_default="none: a fresh demo pool",
+    help="YAML file of pool settings, as for 'up'.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=30,
+    metavar="N",
+    envvar="ROLLOUTPOOL_DEMO_STEPS",
+    show_envvar=True,
+    show_default=True,
+    help="Training steps.",
+)
+@click.option(
+    "--push-every",
+    type=click.IntRange(min=1),
+    default=2,
+    metavar="N",
+    envvar="ROLLOUTPOOL_DEMO_PUSH_EVERY",
+    show_envvar=True,
+    show_default=True,
+    help="Push a checkpoint every N steps.",
+)
+@click.option(
+    "--router-port",
+    type=click.IntRange(0, 65535),
+    metavar="PORT",
+    default=0,
+    envvar="ROLLOUTPOOL_DEMO_ROUTER_PORT",
+    show_envvar=True,
+    show_default="0: a free port",
+    help="The router's port (without --config).",
+)
+@click.option(
+    "--updater-port",
+    type=click.IntRange(0, 65535),
+    metavar="PORT",
+    default=0,
+    envvar="ROLLOUTPOOL_DEMO_UPDATER_PORT",
+    show_envvar=True,
+    show_default="0: a free port",
+    help="The updater's port (without --config).",
+)
+@click.option(
+    "--results",
+    type=click.Path(file_okay=False, path_type=Path),
+    metavar="DIR",
+    default=Path("bench") / "results",
+    envvar="ROLLOUTPOOL_DEMO_RESULTS",
+    show_envvar=True,
+    show_default=True,
+    help="Where demo.json and demo.png go.",
+)
+def demo(
+    config: Path | None,
+    steps: int,
+    push_every: int,
+    router_port: int,
+    updater_port: int,
+    results: Path,
+) -> None:
+    """Run a tiny RL loop through a fresh local pool (about 3 minutes on 2 cores).
 
-
-def _demo(args: argparse.Namespace) -> int:
-    from rolloutpool import demo
+    REINFORCE on the tiny model, rollouts through the router, a checkpoint pushed every
+    --push-every steps while background load checks that no rollout crosses a generation.
+    """
+    from rolloutpool import demo as demo_run
     from rolloutpool.results import write
 
-    config = _config(args.config)
-    if args.config is None:
-        config = config.model_copy(
+    cfg = pool_config(config, {})
+    if config is None:
+        cfg = cfg.model_copy(
             update={
                 "model_init_std": 0.02,  # a near-uniform policy: room to learn
                 "fresh": True,  # every demo starts from generation 0
-                "workdir": config.workdir.parent / "demo",
-                "router_port": args.router_port,
-                "updater_port": args.updater_port,
+                "workdir": cfg.workdir.parent / "demo",
+                "router_port": router_port,
+                "updater_port": updater_port,
             }
         )
-    cfg = demo.DemoConfig(steps=args.steps, push_every=args.push_every)
-    results = Path(args.results)
-    result = asyncio.run(demo.run(cfg, config, results))
-    write("demo", result, results)
-    ok = result["cross_generation"] == 0 and result["reward_last"] > result["reward_first"]
-    return 0 if ok else 1
+    loop_cfg = demo_run.DemoConfig(steps=steps, push_every=push_every)
+    result = asyncio.run(demo_run.run(loop_cfg, cfg, results.resolve()))
+    write("demo", result, results.resolve())
+    if not (result["cross_generation"] == 0 and result["reward_last"] > result["reward_first"]):
+        raise CliError(ExitCode.FAILED, "the demo's checks failed (see demo.json)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="rolloutpool", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("up", help="start the embedded pool and serve until Ctrl-C")
-    up.add_argument("--config", type=Path)
-    up.add_argument("--provider", choices=["local", "ray"], help="who runs the replicas")
-    up.add_argument("--ray-address", help="Ray cluster address (default: RAY_ADDRESS / auto)")
-    st = sub.add_parser("status", help="show replicas and generations")
-    st.add_argument(
-        "--router", default=os.environ.get("ROLLOUTPOOL_ROUTER", "http://127.0.0.1:8000")
-    )
-    pu = sub.add_parser("push", help="push a checkpoint to the updater")
-    pu.add_argument("checkpoint")
-    pu.add_argument(
-        "--updater", default=os.environ.get("ROLLOUTPOOL_UPDATER", "http://127.0.0.1:8300")
-    )
-    pu.add_argument("--token", default=os.environ.get("ROLLOUTPOOL_ADMIN_TOKEN"))
-    pu.add_argument("--step", type=int)
-    pu.add_argument("--label")
-    pu.add_argument("--margin", type=float, default=2e-3)
-    pu.add_argument("--timeout", type=float, default=600.0)
-    pu.add_argument("--no-wait", action="store_true")
-    de = sub.add_parser("demo", help="embedded pool + a tiny RL loop through it")
-    de.add_argument("--config", type=Path)
-    de.add_argument("--steps", type=int, default=30)
-    de.add_argument("--push-every", type=int, default=2)
-    de.add_argument("--router-port", type=int, default=0)
-    de.add_argument("--updater-port", type=int, default=0)
-    de.add_argument("--results", default=str(Path.cwd() / "bench" / "results"))
-    args = ap.parse_args(argv)
-    if args.cmd == "up":
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(
-                _up(_config(args.config, provider=args.provider, ray_address=args.ray_address))
-            )
-        code = 0
-    elif args.cmd == "status":
-        code = _status(args.router)
-    elif args.cmd == "push":
-        code = _push(args)
-    else:
-        code = _demo(args)
-    sys.exit(code)
+    """The console script: runs :func:`cli` and exits with its code."""
+    cli.main(args=argv, prog_name="rolloutpool")
 
 
 if __name__ == "__main__":

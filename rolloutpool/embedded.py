@@ -159,8 +159,7 @@ class EmbeddedPool:
         )
         self._runners.append(runner)
         self.router_url = f"http://{c.host}:{port}"
-        self.say(f"router  {self.router_url}/v1  (OpenAI-compatible; dashboard at /dashboard)")
-        self.say(f"updater {self.updater_url}/v1/updates  (admin token: {self.admin_token})")
+        self.say(f"serving: router {self.router_url}, updater {self.updater_url}")
         return self
 
     async def stop(self) -> None:

@@ -16,7 +16,7 @@ update is still running at the deadline (it keeps running server-side).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +106,21 @@ class UpdaterClient:
         body = self._json(self._http.get("/v1/updates", params={"limit": limit}))
         return list(body["updates"])
 
-    def wait(self, update_id: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> dict[str, Any]:
-        """Poll until the update ends; returns the record if it succeeded."""
+    def wait(
+        self,
+        update_id: str,
+        timeout_s: float = 600.0,
+        poll_s: float = 0.2,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Poll until the update ends; returns the record if it succeeded. ``on_record`` is
+        called with every record polled, the final one included (to show progress: the
+        updater saves the record each time a replica's phase begins)."""
         deadline = time.monotonic() + timeout_s
         while True:
             rec = self.get(update_id)
+            if on_record is not None:
+                on_record(rec)
             if rec["state"] == "succeeded":
                 return rec
             if rec["state"] in ("failed", "superseded"):

@@ -187,12 +187,13 @@ def test_replicas_of_one_host_claim_distinct_core_sets(tmp_path: Path) -> None:
 
 
 def test_rolloutpool_up_takes_a_launching_provider() -> None:
-    from rolloutpool.cli import _config
+    from rolloutpool.errors import CliError
+    from rolloutpool.up import pool_config
 
-    config = _config(None, provider="ray", ray_address="head:6379")
+    config = pool_config(None, {"provider": "ray"}, "head:6379")
     assert (config.provider, config.ray.address) == ("ray", "head:6379")
-    with pytest.raises(ValidationError, match="python -m updater --config"):
-        _config(None, provider="kubernetes")  # its replicas are not started by `up`
+    with pytest.raises(CliError, match="python -m updater --config"):
+        pool_config(None, {"provider": "kubernetes"})  # its replicas are not started by `up`
 
 
 async def test_local_provider_restarts_a_fresh_process_at_the_same_url(tmp_path: Path) -> None:

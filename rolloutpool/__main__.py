@@ -1,0 +1,5 @@
+"""``python -m rolloutpool``: the ``rolloutpool`` command."""
+
+from rolloutpool.cli import main
+
+main()
