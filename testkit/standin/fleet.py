@@ -20,6 +20,7 @@ Errors are ``{"error": {"code", "message"}}`` with 400 (bad body) or 404 (no suc
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -105,6 +106,11 @@ def _admin_error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
+def _bad(message: str) -> web.HTTPBadRequest:
+    body = {"error": {"code": "bad_request", "message": message}}
+    return web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
+
+
 def _admin_app(fleet: StandinFleet) -> web.Application:
     async def targets(request: web.Request) -> list[StandinReplica]:
         which = request.match_info["which"]
@@ -117,34 +123,35 @@ def _admin_app(fleet: StandinFleet) -> web.Application:
             content_type="application/json",
         )
 
-    async def merged(request: web.Request, current: M) -> M:
+    async def body_of(request: web.Request) -> dict[str, Any]:
         try:
-            body = await request.json() if request.can_read_body else {}
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
+            body = await request.json() if request.body_exists else {}
+        except ValueError as e:
+            raise _bad(str(e)) from e
+        if not isinstance(body, dict):
+            raise _bad("the body must be a JSON object")
+        return body
+
+    def merged(body: dict[str, Any], current: M) -> M:
+        try:
             return type(current).model_validate({**current.model_dump(), **body})
-        except (ValueError, ValidationError) as e:
-            raise web.HTTPBadRequest(
-                text=_admin_error(400, "bad_request", str(e)).text,
-                content_type="application/json",
-            ) from e
+        except ValidationError as e:
+            raise _bad(str(e)) from e
 
     async def status(request: web.Request) -> web.Response:
         return web.json_response([r.status() for r in fleet.replicas])
 
     async def faults(request: web.Request) -> web.Response:
-        out = []
-        for r in await targets(request):
-            r.faults = await merged(request, r.faults)
-            out.append(r.status())
-        return web.json_response(out)
+        reps, body = await targets(request), await body_of(request)
+        for r in reps:
+            r.faults = merged(body, r.faults)
+        return web.json_response([r.status() for r in reps])
 
     async def set_time(request: web.Request) -> web.Response:
-        out = []
-        for r in await targets(request):
-            r.set_time(await merged(request, r.time))
-            out.append(r.status())
-        return web.json_response(out)
+        reps, body = await targets(request), await body_of(request)
+        for r in reps:
+            r.set_time(merged(body, r.time))
+        return web.json_response([r.status() for r in reps])
 
     async def die(request: web.Request) -> web.Response:
         reps = await targets(request)
@@ -152,9 +159,8 @@ def _admin_app(fleet: StandinFleet) -> web.Application:
         return web.json_response([r.status() for r in reps])
 
     async def restart(request: web.Request) -> web.Response:
-        reps = await targets(request)
-        body: dict[str, Any] = await request.json() if request.can_read_body else {}
-        model = body.get("model") if isinstance(body, dict) else None
+        reps, body = await targets(request), await body_of(request)
+        model = body.get("model")
         path = Path(model) if isinstance(model, str) else None
         try:
             await asyncio.gather(*(r.restart(path) for r in reps))

@@ -295,7 +295,7 @@ async def _whole(rep: StandinReplica, call: Call, changed: asyncio.Event) -> web
     for index, r in enumerate(call.requests):
         ids = list(r.tokens)
         completion += len(ids)
-        text = tok.decode(ids) if tok is not None else ""
+        text = tok.stream().step(ids) if tok is not None else ""  # vLLM's incremental text
         spans = r.spans if call.spans else None
         token_ids = ids if call.return_ids else None
         if call.kind == "completion":

@@ -216,6 +216,9 @@ class StandinReplica:
         return self.engine
 
 
+SERVING = web.RequestKey("standin_replica", StandinReplica)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -240,7 +243,7 @@ def _template_of(model: Path) -> str | None:
 
 
 def replica_of(request: web.Request) -> StandinReplica:
-    return request["replica"]  # type: ignore[no-any-return]
+    return request[SERVING]
 
 
 @web.middleware
@@ -278,7 +281,7 @@ async def _dispatch(request: web.Request, handler: Any) -> web.StreamResponse:
     replica = request.app[REPLICA].get(sockname[1]) if sockname else None
     if replica is None or not replica.alive:
         return await drop(request)  # a replica that died under this connection
-    request["replica"] = replica
+    request[SERVING] = replica
     faults = replica.faults
     if faults.hang or request.path in faults.hang_paths:
         await asyncio.Event().wait()  # accepted, never answered (until the client gives up)
@@ -577,15 +580,20 @@ async def collective_rpc(request: web.Request) -> web.Response:
     if method != "reload_weights":
         raise _rpc_failed(f"'CPUWorker' object has no attribute '{method}'")
     kwargs = body.get("kwargs") or {}
+    # The RPC runs in the engine whatever happens to this HTTP call (a client that gives up
+    # does not stop a transfer), so it is a task of its own.
+    await asyncio.shield(asyncio.ensure_future(_reload(rep, kwargs.get("weights_path"))))
+    return ok({"results": [None]})
+
+
+async def _reload(rep: StandinReplica, weights_path: Any) -> None:
     async with rep.utility:
         engine = rep.live_engine()
-        path = Path(str(kwargs.get("weights_path") or engine.weights.path))
         engine.block()
         try:
-            await _transfer(rep, engine, path)
+            await _transfer(rep, engine, Path(str(weights_path or engine.weights.path)))
         finally:
             engine.unblock()
-    return ok({"results": [None]})
 
 
 async def _transfer(rep: StandinReplica, engine: SimEngine, path: Path) -> None:
