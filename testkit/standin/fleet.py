@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from testkit.standin.server import ReplicaConfig, StandinReplica, create_app
+from testkit.standin.routes import create_app
+from testkit.standin.server import ReplicaConfig, StandinReplica
 from testkit.standin.weights import WeightsError
 
 __all__ = ["StandinFleet"]
