@@ -114,6 +114,18 @@ async def server(
         yield Server("standin", rep.url, config.model_name)
 
 
+@pytest_asyncio.fixture(autouse=True)
+async def leave_idle(server: Server) -> AsyncIterator[None]:
+    """After each test: resumed and idle, so one test's failure does not fail the next."""
+    yield
+    async with server.client() as c, VllmEngine(server.url) as engine:
+        await c.post("/resume")
+        await c.post("/v1/completions", json={"prompt": P, "max_tokens": 1})  # one engine step
+        async with asyncio.timeout(60):
+            while (await engine.metrics()).requests_running:
+                await asyncio.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_models: TinyModels) -> Tokenizer:
     return Tokenizer.from_file(str(tiny_models.a / "tokenizer.json"))
@@ -449,7 +461,7 @@ ERROR_CASES: dict[str, tuple[str, Any, int, str, str | None]] = {
 
 
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
-async def test_errors_as_vllm_shapes_them(server: Server, case: str) -> None:
+async def test_error_bodies(server: Server, case: str) -> None:
     path, body, status, err_type, param = ERROR_CASES[case]
     async with server.client() as c:
         r = await c.post(path, json=body)
@@ -533,22 +545,24 @@ async def test_pause_abort_ends_running_requests(server: Server) -> None:
 async def test_pause_keep_freezes_and_a_label_change_opens_a_second_span(server: Server) -> None:
     async with server.client() as c, server.client() as control:
         original = await label(control)
-        streams = await long_streams(server, c, 2)
-        r = await post_ok(control, "/pause", params={"mode": "keep"})
         try:
-            assert r.json() == {"status": "paused"}
-            frozen = [len(s.token_ids()) for s in streams]
-            await asyncio.sleep(0.5)
-            assert [len(s.token_ids()) for s in streams] == frozen  # nothing progresses
-            async with VllmEngine(server.url) as engine:
-                assert (await engine.metrics()).requests_running == 2
-            assert (await post_ok(control, "/reset_prefix_cache")).json() == {"success": True}
-            r = await post_ok(control, "/update_weight_version", json={"new_version": "conf-b"})
-            assert r.json() == {"success": True, "new_version": "conf-b"}
-        finally:
-            await post_ok(control, "/resume")
-        await finished(streams)
-        try:
+            streams = await long_streams(server, c, 2)
+            r = await post_ok(control, "/pause", params={"mode": "keep"})
+            try:
+                assert r.json() == {"status": "paused"}
+                async with VllmEngine(server.url) as engine:
+                    assert (await engine.metrics()).requests_running == 2  # frozen, counted
+                assert (await post_ok(control, "/reset_prefix_cache")).json() == {"success": True}
+                r = await post_ok(control, "/update_weight_version", json={"new_version": "conf-b"})
+                assert r.json() == {"success": True, "new_version": "conf-b"}
+                # Running, a request ends within ~1.5 s; frozen, it never does. (Counting
+                # tokens would race with chunks produced before the pause but still in flight.)
+                await asyncio.sleep(2.0)
+                assert not any(s.done for s in streams)
+                assert all(len(s.token_ids()) < MANY for s in streams)
+            finally:
+                await post_ok(control, "/resume")
+            await finished(streams)
             for s in streams:
                 assert s.finish() == "length" and len(s.token_ids()) == MANY
                 (v1, s1, e1), (v2, s2, e2) = spans(s)
@@ -564,16 +578,16 @@ async def test_reset_prefix_cache_bodies(server: Server) -> None:
         streams = await long_streams(server, c, 1)
         busy = await post_ok(control, "/reset_prefix_cache")
         assert busy.json() == {"success": False}  # a running request holds KV blocks
-        forced = await post_ok(
-            control, "/reset_prefix_cache", params={"reset_running_requests": "true"}
-        )
-        assert forced.json() == {"success": True}
         await post_ok(control, "/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
             frozen = await post_ok(control, "/reset_prefix_cache")
             assert frozen.json() == {"success": False}  # frozen, not preempted: still holding
         finally:
             await post_ok(control, "/resume")
+        forced = await post_ok(
+            control, "/reset_prefix_cache", params={"reset_running_requests": "true"}
+        )
+        assert forced.json() == {"success": True}  # preempted, re-prefilled, continues
         await finished(streams)
         assert streams[0].finish() == "length" and len(streams[0].token_ids()) == MANY
 
