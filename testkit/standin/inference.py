@@ -9,6 +9,11 @@ choice per engine tick. A client that disconnects aborts its requests; a replica
 drops the connection. ``temperature`` 0 is greedy (:func:`~testkit.standin.weights.
 expected_tokens`); otherwise a ``seed`` (or a random nonce) picks the sample. ``max_tokens`` is
 clamped to the context left after the prompt, as vLLM does.
+
+Not modelled (accepted and ignored, so a real server would answer differently): ``logprobs``
+(always null), ``stop``/``stop_token_ids``/``min_tokens``, ``echo``, tools, beam search,
+multimodal content. Streamed chunks may carry several tokens (one chunk per engine tick, not per
+token); ``/load`` counts in-flight requests where vLLM counts only with load tracking enabled.
 """
 
 from __future__ import annotations
