@@ -13,7 +13,7 @@ clamped to the context left after the prompt, as vLLM does.
 Not modelled (accepted and ignored, so a real server would answer differently): ``logprobs``
 (always null), ``stop``/``stop_token_ids``/``min_tokens``, ``echo``, tools, beam search,
 multimodal content. Streamed chunks may carry several tokens (one chunk per engine tick, not per
-token); ``/load`` counts in-flight requests where vLLM counts only with load tracking enabled.
+token).
 """
 
 from __future__ import annotations
@@ -275,14 +275,12 @@ async def _run(
                     changed=changed,
                 )
             )
-    rep.in_flight += 1
     try:
         engine.submit(call.requests)
         if call.stream:
             return await _stream(request, rep, call, changed)
         return await _whole(rep, call, changed)
     finally:
-        rep.in_flight -= 1
         left = [r for r in call.requests if not r.done]
         if left and not engine.dead:
             engine.abort(left)  # the client went away

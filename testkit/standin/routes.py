@@ -141,7 +141,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def load(request: web.Request) -> web.Response:
-    return ok({"server_load": replica_of(request).in_flight})
+    return ok({"server_load": 0})  # vLLM without --enable-server-load-tracking
 
 
 async def world_size(request: web.Request) -> web.Response:

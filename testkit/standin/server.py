@@ -17,7 +17,6 @@ import hashlib
 import json
 import socket
 import struct
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -100,8 +99,6 @@ class StandinReplica:
         self.engine: SimEngine | None = None
         self.utility = asyncio.Lock()
         self.poisoned = False
-        self.in_flight = 0
-        self.started_at = time.time()
         self._runner = runner
         self._site: web.SockSite | None = None
         self._sock = _bind(config.host, config.port)
@@ -144,7 +141,6 @@ class StandinReplica:
         )
         self.poisoned = False
         self.utility = asyncio.Lock()
-        self.started_at = time.time()
         self._runner.app[REPLICA][self.port] = self
         site = web.SockSite(self._runner, self._sock)
         await site.start()
