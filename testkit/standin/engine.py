@@ -152,10 +152,7 @@ class SimRequest:
 
 
 class SimEngine:
-    """The engine of one replica: see the module docstring for what it models.
-
-    Callers must :meth:`update` after changing :attr:`time` so the new rates take effect.
-    """
+    """The engine of one replica: see the module docstring for what it models."""
 
     def __init__(
         self,
@@ -274,6 +271,15 @@ class SimEngine:
             if r.holds_blocks:
                 r.stale = _join(r.stale, old)
         self.weights = weights
+        for r in self.running:
+            if r.prefilled:
+                self._plan(r)
+        self.update()
+
+    def set_time(self, time: TimeModel) -> None:
+        """New rates from now on (progress so far was made at the old ones)."""
+        self._advance(self._clock())
+        self.time = time
         self.update()
 
     def kill(self) -> None:

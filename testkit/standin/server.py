@@ -120,8 +120,7 @@ class StandinReplica:
         """Change the time model now (running requests continue at the new rates)."""
         self.time = model
         if self.engine is not None:
-            self.engine.time = model
-            self.engine.update()
+            self.engine.set_time(model)
 
     async def start(self, model: Path | None = None) -> None:
         """Load ``model`` (default: the configured one), wait ``startup_s``, then listen.

@@ -84,6 +84,16 @@ async def test_rate_per_request_and_per_replica(a: Weights) -> None:
     e.update()
     assert len(r1.tokens) == 100 and r1.done  # alone again: the per-request cap applies
 
+    clock = Clock()
+    e = engine(a, clock, request_tokens_per_s=10)
+    r = req(100)
+    e.submit([r])
+    clock.t = 1.0
+    e.set_time(TimeModel(request_tokens_per_s=100))  # the first second still ran at 10/s
+    clock.t = 1.5
+    e.update()
+    assert len(r.tokens) == 60
+
 
 async def test_instant_model_and_max_running(a: Weights) -> None:
     e = SimEngine(a)
