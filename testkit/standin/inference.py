@@ -385,9 +385,14 @@ def _chunks(
     new: list[int],
     finish: str | None,
 ) -> list[str]:
-    """The SSE payloads for ``new`` tokens of one choice (and its end, if ``finish``)."""
+    """The SSE payloads for ``new`` tokens of one choice (and its end, if ``finish``).
+
+    As in vLLM, a completion or chat choice that ends without ever producing a token (aborted
+    while queued) sends no choice chunk (chat still sends its role chunk); generate always does.
+    """
     first = not s.started
     s.started = True
+    silent = s.sent == 0
     ids = new if call.return_ids else None
     head: dict[str, Any] = {"id": call.rid, "object": "", "created": call.created}
     head["model"] = rep.config.model_name
@@ -401,6 +406,8 @@ def _chunks(
         chunk["choices"] = [choice]
         return [dumps(chunk)]
     if call.kind == "completion":
+        if silent:
+            return []
         head["object"] = "text_completion"
         choice = {
             "index": index,
@@ -425,6 +432,8 @@ def _chunks(
         prompt_ids = list(r.prompt) if call.return_ids else None
         out.append(dumps({**head, "choices": [role], "prompt_token_ids": prompt_ids,
                           "prompt_text": None}))  # fmt: skip
+    if silent:
+        return out
     choice = {"index": index, "delta": {"content": text}, "logprobs": None}
     choice["finish_reason"] = finish
     if finish is not None:

@@ -660,6 +660,58 @@ async def test_abort_requests_without_pause(server: Server) -> None:
         assert after["choices"][0]["finish_reason"] == "length"
 
 
+async def test_requests_queued_behind_a_pause_end_empty_when_aborted(server: Server) -> None:
+    """What a request the router let through just before a drain sees when the updater aborts
+    it: 200 with ``finish_reason: "abort"`` and no token. A completion stream then carries no
+    choice chunk at all, chat only its role chunk, generate one chunk with empty spans."""
+    usage = {"stream_options": {"include_usage": True}}
+    async with server.client() as c, server.client() as control:
+        for _ in range(ATTEMPTS):
+            await post_ok(control, "/pause", params={"mode": "wait"})
+            try:
+                whole = asyncio.create_task(complete(server, c, prompt=P, max_tokens=4))
+                cmpl = start_stream(c, "/v1/completions", {"prompt": P, "max_tokens": 4, **usage})
+                chat = start_stream(
+                    c,
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **usage},
+                )
+                sp = {"max_tokens": 4}
+                gen = start_stream(
+                    c, "/inference/v1/generate", {"token_ids": P, "sampling_params": sp, **usage}
+                )
+                for s in (cmpl, chat, gen):
+                    await asyncio.wait_for(s.headers_seen.wait(), 30)
+                await asyncio.sleep(0.5)  # let them reach the engine (counted below)
+                r = await post_ok(control, "/abort_requests", json={})
+            finally:
+                await post_ok(control, "/resume")
+            await finished([cmpl, chat, gen])
+            [choice] = (await asyncio.wait_for(whole, 30))["choices"]
+            if r.json()["aborted"] < 4:
+                continue  # one arrived after the abort and ran after the resume: again
+            assert (choice["finish_reason"], choice["token_ids"], choice["text"]) == (
+                "abort",
+                [],
+                "",
+            )
+            assert [e["choices"] for e in cmpl.events] == [[]] and cmpl.done
+            assert cmpl.events[0]["usage"] == {
+                "prompt_tokens": 17,
+                "total_tokens": 17,
+                "completion_tokens": 0,
+            }
+            role, end = chat.events
+            assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert end["choices"] == [] and end["usage"]["completion_tokens"] == 0
+            [g], g_usage = gen.events[0]["choices"], gen.events[1]
+            assert (g["finish_reason"], g["token_ids"], g["weight_versions"]) == ("abort", [], [])
+            assert g_usage["choices"] == [] and len(gen.events) == 2
+            break
+        else:
+            pytest.fail(TOO_SLOW)
+
+
 # ------------------------------------------------------------------------------ cache, weights
 
 
