@@ -43,8 +43,8 @@ P = [0, *range(300, 316)]  # 17 prompt tokens
 LONG = [0, *[(i * 37) % 1700 + 300 for i in range(299)]]  # 300 tokens: two full KV blocks
 MANY = 480  # tokens of a "long" request (the context is 512)
 STANDIN_TOKENS_PER_S = 400.0
-#: A check that needs requests still running when a control call lands retries this often (on
-#: a saturated host the client may read a stream's first chunk after the request ended).
+#: A check that needs requests still running when a control call lands retries this often
+#: (:func:`freeze` reads from the server whether they were).
 ATTEMPTS = 3
 TOO_SLOW = (
     f"in {ATTEMPTS} attempts, the requests always ended before the control call reached the "
@@ -197,6 +197,50 @@ async def long_streams(server: Server, client: httpx.AsyncClient, n: int) -> lis
 
 async def finished(streams: Sequence[Stream]) -> None:
     await asyncio.wait_for(asyncio.gather(*(s.task for s in streams if s.task)), 60)
+
+
+@dataclass
+class Frozen:
+    """Long requests frozen by a ``keep`` pause a few tokens in (see :func:`freeze`)."""
+
+    calls: list[asyncio.Task[dict[str, Any]]]  # non-streamed generate requests
+    stream: Stream
+    held: bool  # the engine holds all of them (its frozen gauge says so)
+
+    async def results(self) -> list[dict[str, Any]]:
+        """The non-streamed bodies' choices, once they end (after a resume)."""
+        bodies = await asyncio.wait_for(asyncio.gather(*self.calls), 60)
+        await finished([self.stream])
+        return [b["choices"][0] for b in bodies]
+
+
+async def freeze(
+    server: Server, c: httpx.AsyncClient, control: httpx.AsyncClient, *, clear_cache: bool
+) -> Frozen:
+    """Two non-streamed and one streamed 480-token generate request, frozen a few tokens in.
+
+    They are queued behind a ``keep`` pause, resumed, and frozen again by a second ``keep``
+    pause once the stream delivered a token; the engine is left paused. Whether it holds all three is read
+    from its own gauge (frozen requests count as running), not from what the client has seen:
+    on a saturated host a client reads tokens long after the server produced them.
+    """
+    body = {"model": server.model, "token_ids": P}
+    body["sampling_params"] = {"max_tokens": MANY, "temperature": 0, "ignore_eos": True}
+
+    async def call() -> dict[str, Any]:
+        data: dict[str, Any] = (await post_ok(c, "/inference/v1/generate", json=body)).json()
+        return data
+
+    await post_ok(control, "/pause", params={"mode": "keep"})
+    calls = [asyncio.create_task(call()) for _ in range(2)]
+    stream = start_stream(c, "/inference/v1/generate", body)
+    await asyncio.sleep(0.3)  # let them reach the engine (checked below)
+    await post_ok(control, "/resume")
+    await asyncio.wait_for(stream.first.wait(), 30)  # at least one token each
+    await post_ok(control, "/pause", params={"mode": "keep", "clear_cache": str(clear_cache)})
+    async with VllmEngine(server.url) as engine:
+        held = (await engine.metrics()).requests_running == 3
+    return Frozen(calls, stream, held)
 
 
 def outcome(stream: Stream) -> tuple[str | None, int | str]:
@@ -532,30 +576,30 @@ async def test_pause_wait_drains_and_queues_until_resume(server: Server) -> None
 
 
 async def test_pause_abort_ends_running_requests(server: Server) -> None:
-    """The non-streamed request is sent first, so the engine has it (running or waiting: abort
-    ends both) once the streams sent after it deliver tokens."""
     async with server.client() as c, server.client() as control:
         for _ in range(ATTEMPTS):
-            whole = asyncio.create_task(
-                complete(server, c, prompt=P, max_tokens=MANY, ignore_eos=True)
-            )
-            streams = await long_streams(server, c, 2)
-            r = await post_ok(control, "/pause", params={"mode": "abort", "clear_cache": "false"})
+            frozen = await freeze(server, c, control, clear_cache=False)
             try:
+                await post_ok(control, "/resume")
+                r = await post_ok(
+                    control, "/pause", params={"mode": "abort", "clear_cache": "false"}
+                )
                 assert r.json() == {"status": "paused"}
-                await finished(streams)
-                [choice] = (await asyncio.wait_for(whole, 30))["choices"]
+                choices = await frozen.results()
                 async with VllmEngine(server.url) as engine:
                     assert (await engine.metrics()).requests_running == 0
             finally:
                 await post_ok(control, "/resume")
-            for s in streams:  # each ran to its end before the pause, or was cut short by it
-                assert s.done and outcome(s) in (("length", MANY), ("abort", "partial")), s
-                assert spans(s)[0][1:] == (0, len(s.token_ids()))
-            assert choice["finish_reason"] in ("length", "abort")
-            if choice["finish_reason"] == "abort" and any(s.finish() == "abort" for s in streams):
-                assert len(choice["token_ids"]) < MANY
-                break
+            if not frozen.held:
+                continue
+            for choice in choices:
+                assert choice["finish_reason"] == "abort", choice["finish_reason"]
+                assert 0 < len(choice["token_ids"]) < MANY
+                assert choice["weight_versions"][0]["end"] == len(choice["token_ids"])
+            s = frozen.stream
+            assert s.done and s.finish() == "abort" and 0 < len(s.token_ids()) < MANY
+            assert spans(s)[0][1:] == (0, len(s.token_ids()))
+            break
         else:
             pytest.fail(TOO_SLOW)
 
@@ -565,31 +609,28 @@ async def test_pause_keep_freezes_and_a_label_change_opens_a_second_span(server:
         original = await label(control)
         try:
             for _ in range(ATTEMPTS):
-                streams = await long_streams(server, c, 2)
-                r = await post_ok(control, "/pause", params={"mode": "keep"})
+                frozen = await freeze(server, c, control, clear_cache=True)
                 try:
-                    assert r.json() == {"status": "paused"}
-                    async with VllmEngine(server.url) as engine:
-                        frozen = (await engine.metrics()).requests_running  # counted while frozen
-                    if frozen < len(streams):
-                        continue  # some finished before the pause reached the engine: again
-                    assert (await post_ok(control, "/reset_prefix_cache")).json() == {
-                        "success": True  # clear_cache (default) preempted the frozen requests
-                    }
+                    r = await post_ok(control, "/reset_prefix_cache")
+                    assert r.json() == {"success": True}  # clear_cache preempted them
                     r = await post_ok(
                         control, "/update_weight_version", json={"new_version": "conf-b"}
                     )
                     assert r.json() == {"success": True, "new_version": "conf-b"}
-                    # Running, a request ends within ~1.5 s; frozen, it never does. (Counting
-                    # tokens would race with chunks produced before the pause still in flight.)
-                    await asyncio.sleep(2.0)
-                    assert not any(s.done for s in streams)
+                    await asyncio.sleep(2.0)  # running, they would end within ~1.5 s
+                    assert not any(t.done() for t in frozen.calls) and not frozen.stream.done
                 finally:
                     await post_ok(control, "/resume")
-                    await finished(streams)
-                for s in streams:
-                    assert outcome(s) == ("length", MANY)
-                    (v1, s1, e1), (v2, s2, e2) = spans(s)
+                choices = await frozen.results()
+                streamed = spans(frozen.stream)
+                await post_ok(control, "/update_weight_version", json={"new_version": original})
+                if not frozen.held or streamed[0][0] != original:
+                    continue  # not all held, or frozen before their first token: again
+                assert (frozen.stream.finish(), len(frozen.stream.token_ids())) == ("length", MANY)
+                for choice in choices:
+                    assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", MANY)
+                    got = [(v["version"], v["start"], v["end"]) for v in choice["weight_versions"]]
+                    (v1, s1, e1), (v2, s2, e2) = got
                     assert (v1, s1, v2, e2) == (original, 0, "conf-b", MANY) and e1 == s2
                     assert 0 < e1 < MANY
                 break
@@ -600,41 +641,32 @@ async def test_pause_keep_freezes_and_a_label_change_opens_a_second_span(server:
 
 
 async def test_reset_prefix_cache_bodies(server: Server) -> None:
-    """``success`` is false while a request holds KV blocks (running, or frozen by ``keep``
-    without ``clear_cache``). Whether the request still ran when the reset arrived is read from
-    its spans: the label is changed right after the reset."""
+    """``success`` is false while a request holds KV blocks: frozen by ``keep`` without
+    ``clear_cache``, or running (read from its spans: the label changes right after the reset)."""
     async with server.client() as c, server.client() as control:
         original = await label(control)
         try:
             assert (await post_ok(control, "/reset_prefix_cache")).json() == {"success": True}
             for _ in range(ATTEMPTS):
-                streams = await long_streams(server, c, 1)
-                busy = (await post_ok(control, "/reset_prefix_cache")).json()
-                await post_ok(control, "/update_weight_version", json={"new_version": "after"})
-                await finished(streams)
-                await post_ok(control, "/update_weight_version", json={"new_version": original})
-                if spans(streams[0])[-1][0] == "after":  # it ran past the reset
-                    assert busy == {"success": False}
-                    break
-            else:
-                pytest.fail(TOO_SLOW)
-            for _ in range(ATTEMPTS):
-                streams = await long_streams(server, c, 1)
-                await post_ok(control, "/pause", params={"mode": "keep", "clear_cache": "false"})
+                frozen = await freeze(server, c, control, clear_cache=False)
                 try:
-                    async with VllmEngine(server.url) as engine:
-                        if (await engine.metrics()).requests_running == 0:
-                            continue  # it finished before the pause: again
-                    frozen = await post_ok(control, "/reset_prefix_cache")
-                    assert frozen.json() == {"success": False}  # frozen, still holding blocks
-                    forced = await post_ok(
-                        control, "/reset_prefix_cache", params={"reset_running_requests": "true"}
-                    )
-                    assert forced.json() == {"success": True}  # preempted: re-prefilled later
+                    held = (await post_ok(control, "/reset_prefix_cache")).json()
                 finally:
                     await post_ok(control, "/resume")
-                    await finished(streams)
-                assert outcome(streams[0]) == ("length", MANY)
+                busy = (await post_ok(control, "/reset_prefix_cache")).json()
+                await post_ok(control, "/update_weight_version", json={"new_version": "after"})
+                forced = await post_ok(
+                    control, "/reset_prefix_cache", params={"reset_running_requests": "true"}
+                )
+                assert forced.json() == {"success": True}  # preempted; they go on
+                choices = await frozen.results()
+                await post_ok(control, "/update_weight_version", json={"new_version": original})
+                if not frozen.held or spans(frozen.stream)[-1][0] != "after":
+                    continue  # not all held, or the stream ended before the reset: again
+                assert held == {"success": False}  # frozen, still holding their blocks
+                assert busy == {"success": False}  # running
+                assert all(ch["finish_reason"] == "length" for ch in choices)
+                assert frozen.stream.finish() == "length"
                 break
             else:
                 pytest.fail(TOO_SLOW)
@@ -642,20 +674,26 @@ async def test_reset_prefix_cache_bodies(server: Server) -> None:
             await post_ok(control, "/update_weight_version", json={"new_version": original})
 
 
-async def test_abort_requests_without_pause(server: Server) -> None:
+async def test_abort_requests(server: Server) -> None:
+    """``/abort_requests {}`` ends every tracked request (here: frozen) and counts them; it does
+    not change the pause state."""
     async with server.client() as c, server.client() as control:
         for _ in range(ATTEMPTS):
-            streams = await long_streams(server, c, 2)
-            r = await post_ok(control, "/abort_requests", json={})
-            await finished(streams)
-            assert r.json()["status"] == "aborted"
-            # counted: the requests the server still tracked; each of them ended with "abort"
-            assert r.json()["aborted"] == sum(s.finish() == "abort" for s in streams)
-            if r.json()["aborted"]:
-                break
+            frozen = await freeze(server, c, control, clear_cache=False)
+            try:
+                r = await post_ok(control, "/abort_requests", json={})
+                choices = await frozen.results()
+                assert (await control.get("/is_paused")).json() == {"is_paused": True}
+            finally:
+                await post_ok(control, "/resume")
+            if not frozen.held:
+                continue
+            assert r.json() == {"status": "aborted", "aborted": 3}
+            assert all(ch["finish_reason"] == "abort" for ch in choices)
+            assert frozen.stream.finish() == "abort" and frozen.stream.done
+            break
         else:
             pytest.fail(TOO_SLOW)
-        assert (await control.get("/is_paused")).json() == {"is_paused": False}
         after = await complete(server, c, prompt=P, max_tokens=2)
         assert after["choices"][0]["finish_reason"] == "length"
 
