@@ -13,9 +13,12 @@ the stand-in.** Expected key sets were captured from vLLM 0.32.0.
 
 Tests never compare model *outputs* across the two servers (the stand-in runs no model), except
 for the marker checkpoint, whose output is known (every token is its marker). Waits are event
-driven: a request is "running" once its stream delivered a first chunk; the stand-in runs at
-400 tokens/s per request so a 480-token request runs about as long as on the real server. Each
-test leaves the server resumed on A's weights with its original label.
+driven. Checks that need requests still running when a control call lands do not trust what the
+client has seen (on a saturated host it reads tokens long after the server made them): they
+freeze the requests with a ``keep`` pause, read from the server that it holds them, and retry
+when it does not (:func:`freeze`). The stand-in runs at 400 tokens/s per request, so a
+480-token request lasts about as long as on the real server. Each test leaves the server
+resumed and idle on A's weights with its original label.
 """
 
 from __future__ import annotations
