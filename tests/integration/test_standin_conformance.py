@@ -223,9 +223,9 @@ async def freeze(
     """Two non-streamed and one streamed 480-token generate request, frozen a few tokens in.
 
     They are queued behind a ``keep`` pause, resumed, and frozen again by a second ``keep``
-    pause once the stream delivered a token; the engine is left paused. Whether it holds all three is read
-    from its own gauge (frozen requests count as running), not from what the client has seen:
-    on a saturated host a client reads tokens long after the server produced them.
+    pause once the stream delivered a token; the engine is left paused. Whether it holds all
+    three is read from its own gauge (frozen requests count as running), not from what the
+    client has seen: on a saturated host a client reads tokens long after the server made them.
     """
     body = {"model": server.model, "token_ids": P}
     body["sampling_params"] = {"max_tokens": MANY, "temperature": 0, "ignore_eos": True}
