@@ -10,6 +10,9 @@ and demo) uses it for the local ``redis-server`` and the tiny model, and only th
 * :mod:`testkit.redis_server` — a local ``redis-server`` child process with AOF.
 * :mod:`testkit.harness` — act as the updater (label, register, publish), serve the router.
 * :mod:`testkit.fault_proxy` — an HTTP proxy that can stall a replica's control calls.
+* :mod:`testkit.standin` — a stand-in vLLM 0.32 server: hundreds of cheap fake replicas in one
+  process (time model, fault switches, admin endpoint, CLI), conformance-tested against real
+  vLLM (``tests/integration/test_standin_conformance.py``).
 * :mod:`testkit.scenarios` — the long scenarios (stale cache, rolling updates under load,
   reliability); ``bench/`` runs them in full, ``tests/integration`` in short versions.
 """
