@@ -71,7 +71,14 @@ from aiohttp import web
 
 from pool.errors import StoreError
 from pool.types import BindingState, ReplicaRecord
-from pool.web import Conflict, RouteNotFound, dumps, json_response, read_json_object
+from pool.web import (
+    BadRequest,
+    Conflict,
+    RouteNotFound,
+    dumps,
+    json_response,
+    read_json_object,
+)
 from router import sessions
 from router.admission import Constraints, affinity_key
 from router.bindings import DEFAULT_REASON, Outcome, Settled, Settlement, shielded
@@ -136,6 +143,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RouteNotFound("'model' must be a string", code="model_not_found")
+    check_fields(body)
     accept = await _model_filter(request, model)
 
     session_id = request.headers.get(HEADER_ID)
@@ -279,6 +287,20 @@ async def _model_filter(
 # ------------------------------------------------------------------------------ forwarding
 
 
+def check_fields(body: dict[str, Any]) -> None:
+    """400 for fields the router itself acts on but cannot read: ``stream`` must be a boolean
+    (vLLM would take ``"true"`` for true and stream, while the router waited for one JSON body),
+    ``stream_options`` an object. The replica validates everything else."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(
+            f"'stream' must be true or false, not {dumps(stream)[:40]}", code="invalid_body"
+        )
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", code="invalid_body")
+
+
 def cache_salt(label: str, client_salt: Any) -> str:
     if not isinstance(client_salt, str) or not client_salt:
         return label
@@ -389,6 +411,22 @@ async def report_violation(app: web.Application, target: Target, reason: str) ->
     app[VIEW].invalidate()
 
 
+class BodyTooLarge(Exception):
+    """An upstream body exceeded ``max_upstream_body_bytes``."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole upstream body, or :class:`BodyTooLarge` as soon as it exceeds ``limit``."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise BodyTooLarge
+    buf = bytearray()
+    async for piece in resp.content.iter_any():
+        buf += piece
+        if len(buf) > limit:
+            raise BodyTooLarge
+    return bytes(buf)
+
+
 async def _whole(
     request: web.Request,
     resp: aiohttp.ClientResponse,
@@ -399,10 +437,19 @@ async def _whole(
 ) -> web.Response:
     info = target.info
     rid = target.replica.replica_id
+    limit = request.app[SETTINGS].max_upstream_body_bytes
     try:
-        raw = await resp.read()
+        raw = await read_capped(resp, limit)
     except (aiohttp.ClientError, TimeoutError) as e:
         raise _upstream_failure(e, target, outcome, "response") from e
+    except BodyTooLarge as e:
+        outcome.abort(f"upstream body larger than {limit} bytes")
+        raise UpstreamError(
+            f"replica {rid} answered a body larger than the router's limit of {limit} bytes",
+            headers=info.headers(),
+            replica=rid,
+            rollout=info.as_json(),
+        ) from e
     timings = request.get(TIMINGS)
     if timings is not None:
         timings.upstream = time.perf_counter() - sent

@@ -53,6 +53,7 @@ class RouterSettings(BaseSettings):
     retry_after_s: int = Field(default=1, ge=0)
     replica_view_ttl_s: float = Field(default=0.25, ge=0)
     max_body_bytes: int = Field(default=4 * MIB, gt=0)
+    max_upstream_body_bytes: int = Field(default=64 * MIB, gt=0)
 
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)

@@ -168,6 +168,22 @@ async def test_bad_bodies_are_400_and_oversized_413(store_settings: StoreSetting
         assert r.status == 409 and (await r.json())["error"]["code"] == "generation_unsatisfiable"
 
 
+async def test_fields_the_router_acts_on_are_typed(store_settings: StoreSettings) -> None:
+    """Audit finding (issue 11): ``"stream": "true"`` was forwarded, vLLM streamed, and the
+    router buffered the stream as one body (no cap) and then answered 502."""
+    async with router_client(settings(), store_settings) as c:
+        for field, value in [
+            ("stream", "true"),
+            ("stream", 1),
+            ("stream_options", "usage"),
+            ("stream_options", [1]),
+        ]:
+            r = await c.post("/v1/completions", json={**COMPLETION, field: value}, headers=AUTH)
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["code"] == "invalid_body", (field, value)
+            assert field in err["message"]
+
+
 async def test_unknown_model_is_404(store_settings: StoreSettings) -> None:
     async with router_client(settings(), store_settings) as c:
         r = await c.post("/v1/completions", json={**COMPLETION, "model": "gpt-4"}, headers=AUTH)

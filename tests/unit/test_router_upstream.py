@@ -110,6 +110,17 @@ class FakeVllm:
                 },
                 status=self.status,
             )
+        if self.mode == "big":  # with a Content-Length
+            return web.json_response({**self.completion(body), "pad": "x" * 4096})
+        if self.mode == "big_chunked":  # without one
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            await resp.write(b'{"pad": "')
+            for _ in range(8):
+                await resp.write(b"x" * 512)
+            await resp.write(b'"}')
+            await resp.write_eof()
+            return resp
         if self.mode == "drop":
             assert request.transport is not None
             request.transport.abort()
@@ -367,6 +378,29 @@ async def test_upstream_errors_abort_the_binding(
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert b.state is BindingState.ABORTED and "connection lost" in b.reason
     assert (await store.replica("r0")).state is ReplicaState.READY  # errors never taint
+    await no_leaks(store)
+
+
+async def test_buffered_upstream_bodies_are_capped(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): a whole (non-streamed) upstream answer was read without a cap."""
+    f, url = fake
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(max_upstream_body_bytes=1024), store_settings) as c:
+        for mode in ("big", "big_chunked"):
+            f.mode = mode
+            r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+            assert r.status == 502, mode
+            assert (await r.json())["error"]["code"] == "upstream_error"
+            b = await settled(store, r.headers["X-Rollout-Id"])
+            assert (b.state, b.reason) == (
+                BindingState.ABORTED,
+                "upstream body larger than 1024 bytes",
+            )
+        f.mode = "ok"  # a body within the cap passes
+        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        assert r.status == 200
     await no_leaks(store)
 
 

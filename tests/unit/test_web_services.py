@@ -107,6 +107,19 @@ async def test_http_errors_answer_alike(store_settings: StoreSettings, service: 
             assert r.status == 400 and (await r.json())["error"]["code"] == code
         r = await c.post(path, data=b"x" * (5 << 20), headers=auth)  # above both limits
         assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+        # audit finding (issue 11): a deeply nested body was a 500 with a traceback, and
+        # NaN/Infinity (or a number beyond a double) were accepted and forwarded to vLLM
+        for data, what in [
+            (b"[" * 100_000 + b"]" * 100_000, "nested more than 64"),
+            (b'{"a":' * 65 + b"1" + b"}" * 65, "nested more than 64"),
+            (b'{"temperature": NaN}', "NaN is not a JSON number"),
+            (b'{"temperature": -Infinity}', "-Infinity is not a JSON number"),
+            (b'{"temperature": 1e999}', "too large for a double"),
+        ]:
+            r = await c.post(path, data=data, headers=auth)
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["code"] == "invalid_json", (data[:20], err)
+            assert what in err["message"]
 
 
 async def test_unreachable_store_answers_alike(service: Svc) -> None:
