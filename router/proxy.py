@@ -367,7 +367,7 @@ async def forward(
             )
             out = await _stream(request, resp, target, model, wants_usage, outcome, settle)
         else:
-            out = await _whole(request, resp, target, model, outcome, sent)
+            out = await _whole(request, resp, target, model, outcome, settle, sent)
         complete = True
         return out
     finally:
@@ -401,7 +401,10 @@ def _upstream_failure(
 
 
 async def report_violation(app: web.Application, target: Target, reason: str) -> None:
-    """Taint the replica and count the violation (the caller ends the binding)."""
+    """Taint the replica and count the violation. Only for a binding the settlement confirmed
+    (still active until the answer): spans that contradict a binding which had already ended
+    prove nothing against the replica (the updater may have aborted the binding at a drain
+    deadline and changed the weights, as it may); such output is withheld as ``binding_ended``."""
     rid = target.replica.replica_id
     app[METRICS].violations.labels(rid).inc()
     try:
@@ -433,6 +436,7 @@ async def _whole(
     target: Target,
     model: str | None,
     outcome: Outcome,
+    settle: Settlement,
     sent: float,
 ) -> web.Response:
     info = target.info
@@ -494,6 +498,8 @@ async def _whole(
     violation = check_response(data, info.label)
     if violation is not None:
         outcome.violate(violation)
+        verdict = await settle(outcome)  # first: was the binding still active?
+        await confirm(request, target, verdict)  # if not: binding_ended / store_unavailable
         await report_violation(request.app, target, violation)
         raise UpstreamError(
             f"rollout {info.rollout_id} violated its binding: {violation}",
@@ -621,7 +627,6 @@ async def _stream(
         violation = check.violation()
         if violation is not None:
             outcome.violate(violation)
-            await report_violation(request.app, target, violation)
         elif failure is not None:
             outcome.abort(failure)
         elif error is not None:
@@ -634,12 +639,13 @@ async def _stream(
 
         rollout = info.as_json()
         problem: tuple[str, str] | None = None
-        if violation is not None:
+        if violation is not None and verdict is Settled.CONFIRMED:
+            await report_violation(request.app, target, violation)
             rollout["violation"] = violation
             problem = ("provenance_violation", violation)
         elif failure is not None or (not done and error is None):
             problem = ("upstream_error", failure or "upstream stream ended without [DONE]")
-        elif outcome.state is BindingState.FINISHED and verdict is not Settled.CONFIRMED:
+        elif outcome.state is not BindingState.ABORTED and verdict is not Settled.CONFIRMED:
             rollout["unconfirmed"] = True
             why = "could not be confirmed" if verdict is Settled.UNCONFIRMED else "was ended"
             problem = (

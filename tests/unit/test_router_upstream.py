@@ -607,6 +607,44 @@ async def test_output_is_withheld_when_the_binding_ends_under_the_request(
     await no_leaks(store)
 
 
+async def test_spans_after_the_binding_ended_do_not_taint(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): the proxy tainted the replica before settling, so spans of the
+    next generation on a request whose binding the updater had already aborted (drain deadline,
+    then a legitimate weight change) took a healthy replica out of service."""
+    f, url = fake
+    f.delay_s = 0.3
+    f.spans = [{"version": "g1", "start": 0, "end": 3}]  # the weights the updater loaded next
+    await publish_ready(store, [("r0", url)])
+    req = {"model": "rolloutpool", "prompt": "p"}
+    async with router_client(settings(), store_settings) as c:
+
+        async def abort_when_received() -> list[str]:
+            await asyncio.wait_for(f.received.wait(), 5)
+            f.received.clear()
+            return await store.abort_active("r0", "drain deadline")
+
+        for body in (req, {**req, "stream": True}):
+            f.mode = "stream" if body.get("stream") else "ok"
+            answer, aborted = await asyncio.gather(
+                c.post("/v1/completions", json=body), abort_when_received()
+            )
+            assert aborted == [answer.headers["X-Rollout-Id"]]
+            if body.get("stream"):
+                events = await sse(answer)
+                assert events[-1]["error"]["code"] == "binding_ended"
+            else:
+                assert answer.status == 503
+                assert (await answer.json())["error"]["code"] == "binding_ended"
+            b = await store.binding(answer.headers["X-Rollout-Id"])
+            assert (b.state, b.reason) == (BindingState.ABORTED, "drain deadline")
+        metrics = await (await c.get("/metrics")).text()
+    assert (await store.replica("r0")).state is ReplicaState.READY
+    assert 'rolloutpool_violations_total{replica="r0"}' not in metrics
+    await no_leaks(store)
+
+
 async def test_output_is_withheld_when_the_store_cannot_confirm(
     fake: tuple[FakeVllm, str], tmp_path: Path
 ) -> None:
