@@ -391,8 +391,16 @@ def _upstream_failure(
             rollout=target.info.as_json(),
         )
     outcome.abort(f"upstream connection failed: {type(e).__name__}")
+    log.warning(
+        "rollout %s: replica %s (%s), %s: %r",
+        target.info.rollout_id,
+        rid,
+        target.replica.url,
+        phase,
+        e,
+    )
     return UpstreamError(
-        f"replica {rid} unreachable or connection lost ({phase}: {type(e).__name__}: {e})",
+        f"replica {rid} could not be reached or the connection was lost ({phase})",
         code="upstream_unavailable",
         headers=headers,
         replica=rid,
@@ -460,12 +468,18 @@ async def _whole(
     status = resp.status
     if status >= 500 or status < 200:
         outcome.abort(f"upstream {status // 100}xx: HTTP {status}")
+        log.warning(
+            "rollout %s: replica %s answered HTTP %d: %s",
+            info.rollout_id,
+            rid,
+            status,
+            raw[:EXCERPT].decode(errors="replace"),
+        )
         raise UpstreamError(
             f"replica {rid} answered HTTP {status}",
             headers=info.headers(),
             replica=rid,
             upstream_status=status,
-            upstream_body=raw[:EXCERPT].decode(errors="replace"),
             rollout=info.as_json(),
         )
     if status >= 400:
@@ -488,11 +502,16 @@ async def _whole(
         data = None
     if not isinstance(data, dict):
         outcome.abort("upstream returned a body that is not a JSON object")
+        log.warning(
+            "rollout %s: replica %s returned a body that is not a JSON object: %s",
+            info.rollout_id,
+            rid,
+            raw[:EXCERPT].decode(errors="replace"),
+        )
         raise UpstreamError(
             f"replica {rid} returned a body that is not a JSON object",
             headers=info.headers(),
             replica=rid,
-            upstream_body=raw[:EXCERPT].decode(errors="replace"),
             rollout=info.as_json(),
         )
     violation = check_response(data, info.label)

@@ -9,7 +9,8 @@ it). A service sets all three (the store in a cleanup context, while the app run
 * ``GET /metrics`` — Prometheus text; the pool gauges are refreshed from the store on each
   scrape (skipped, not failed, while Redis is down).
 * ``GET /v1/pool`` — :class:`PoolView`, read from the store: the published generation, the
-  admissible staleness and every replica.
+  admissible staleness and every replica. Replica URLs (a dev-mode vLLM server's control
+  routes are unauthenticated) are shown only to the admin token, ``null`` otherwise.
 * ``GET /openapi.json`` — the service's document.
 """
 
@@ -22,12 +23,13 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pool.errors import StoreError
 from pool.metrics import PoolGauges
 from pool.store import RedisStore
 from pool.types import ReplicaState
+from pool.web.auth import CLIENT
 from pool.web.responses import json_response
 
 log = logging.getLogger("pool.web")
@@ -51,7 +53,7 @@ class ReplicaSummary(BaseModel):
     identity_digest: str | None
     active: int
     capacity: int
-    url: str
+    url: str | None = Field(description="the replica's URL; null unless the admin token is used")
     reason: str
     updated_ms: int
 
@@ -64,8 +66,9 @@ class PoolView(BaseModel):
     replicas: list[ReplicaSummary]
 
 
-async def read_pool_view(store: RedisStore, max_staleness: int) -> PoolView:
-    """The pool as the store has it now (not a cached view). Raises ``StoreUnavailable``."""
+async def read_pool_view(store: RedisStore, max_staleness: int, *, urls: bool) -> PoolView:
+    """The pool as the store has it now (not a cached view); replica URLs only with ``urls``.
+    Raises ``StoreUnavailable``."""
     replicas = await store.replicas()
     latest = await store.latest()
     return PoolView(
@@ -75,13 +78,17 @@ async def read_pool_view(store: RedisStore, max_staleness: int) -> PoolView:
             generation=latest[0].number, label=latest[0].label, identity_digest=latest[1]
         ),
         max_staleness=max_staleness,
-        replicas=[ReplicaSummary.model_validate(r, from_attributes=True) for r in replicas],
+        replicas=[
+            ReplicaSummary.model_validate({**r.model_dump(), "url": r.url if urls else None})
+            for r in replicas
+        ],
     )
 
 
 def pool_handler(max_staleness: int) -> Handler:
     async def pool(request: web.Request) -> web.Response:
-        view = await read_pool_view(request.app[STORE], max_staleness)
+        admin = request.get(CLIENT) == "admin"
+        view = await read_pool_view(request.app[STORE], max_staleness, urls=admin)
         return json_response(view.model_dump(mode="json"))
 
     return pool

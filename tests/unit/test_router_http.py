@@ -242,7 +242,24 @@ async def test_pool_view(store_settings: StoreSettings, store: RedisStore) -> No
             (x["replica_id"], x["state"], x["generation"], x["label"], x["active"])
             for x in body["replicas"]
         ] == [("r0", "READY", 0, "g0", 0), ("r1", "READY", 0, "g0", 0)]
-        assert body["replicas"][1]["url"] == "http://127.0.0.1:2"
+        # audit finding (issue 11): replica URLs (dev-mode vLLM, unauthenticated control
+        # routes) were shown to every client; only the admin token sees them now
+        assert [x["url"] for x in body["replicas"]] == [None, None]
+        r = await c.get("/v1/pool", headers=ADMIN_AUTH)
+        urls = [x["url"] for x in (await r.json())["replicas"]]
+        assert urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+async def test_upstream_failures_do_not_show_replica_urls(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): a 502 carried the replica's URL (aiohttp's error text)."""
+    await publish_ready(store, [("r0", "http://127.0.0.1:1")])
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post("/v1/completions", json=COMPLETION, headers=AUTH)
+        text = await r.text()
+    assert r.status == 502 and (await r.json())["error"]["replica"] == "r0"
+    assert "127.0.0.1" not in text and ":1" not in text.replace('"r0"', "")
 
 
 async def test_dashboard_is_public_html(store_settings: StoreSettings, store: RedisStore) -> None:

@@ -349,6 +349,7 @@ async def test_upstream_errors_abort_the_binding(
         assert r.status == 502
         err = (await r.json())["error"]
         assert err["code"] == "upstream_error" and err["upstream_status"] == 500
+        assert "upstream_body" not in err  # the replica's text goes to the log
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (BindingState.ABORTED, "upstream 5xx: HTTP 500")
 
@@ -367,6 +368,7 @@ async def test_upstream_errors_abort_the_binding(
         r = await c.post("/v1/completions", json=req)
         assert r.status == 502
         assert (await r.json())["error"]["code"] == "upstream_unavailable"
+        assert url.split("//")[1] not in await r.text()  # no replica URL (issue 11)
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert b.state is BindingState.ABORTED and "connection" in b.reason
 

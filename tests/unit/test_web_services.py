@@ -141,13 +141,21 @@ async def test_pool_view_is_one_shape(
     await publish_ready(store, [("r0", "http://127.0.0.1:1"), ("r1", "http://127.0.0.1:2")])
     await store.taint("r1", "operator", source="test")
     auth = {"Authorization": f"Bearer {ADMIN}"}
-    views = []
+    views, public = [], []
     for open_service in (router, updater_service(model_dir)):
         async with open_service(store_settings, ADMIN) as c:
             r = await c.get("/v1/pool", headers=auth)
             assert r.status == 200
             views.append(await r.json())
+            for headers in ({}, {"Authorization": "Bearer not-the-admin"}):
+                r = await c.get("/v1/pool", headers=headers)
+                public.append(await r.json())
     assert views[0] == views[1]
+    # audit finding (issue 11): replica URLs only for the admin token, on both services
+    assert [x["url"] for x in views[0]["replicas"]] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    for other in public:
+        assert [x["url"] for x in other["replicas"]] == [None, None]
+        assert {**other, "replicas": []} == {**views[0], "replicas": []}
     view = views[0]
     assert view["latest"] == {"generation": 0, "label": "g0", "identity_digest": "wid:test"}
     assert view["max_staleness"] == 1
