@@ -18,7 +18,8 @@ pool (:class:`ReplicaView`):
 If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries with backoff until
 ``admission_wait_s`` is spent, then raises :class:`~router.errors.NoReplicaAvailable` (503 with
 ``Retry-After``). Constraints that cannot be met by the published generation raise
-:class:`GenerationUnsatisfiable` (409) at once. ``StoreUnavailable`` propagates (503, fail
+:class:`GenerationUnsatisfiable` (409) at once, judged on a fresh read of the published
+generation (the cached view may predate a publish). ``StoreUnavailable`` propagates (503, fail
 closed).
 
 Cancellation: if the caller is cancelled while an ADMIT script is in flight, the script is
@@ -369,7 +370,7 @@ class Admitter:
         try:
             while True:
                 snap = await self.view.get(fresh=fresh)
-                check_satisfiable(snap.latest, constraints, self.max_staleness)
+                await self._satisfiable(snap, constraints)
                 for r in candidates(self.view, snap, constraints, self.max_staleness, key, accept):
                     self.view.reserve(r.replica_id)
                     try:
@@ -401,6 +402,16 @@ class Admitter:
         except StoreUnavailable:
             self.metrics.refusals.labels("store_unavailable").inc()
             raise
+
+    async def _satisfiable(self, snap: PoolSnapshot, c: Constraints) -> None:
+        """Raise :class:`GenerationUnsatisfiable` only if the *fresh* published generation
+        cannot meet ``c``: a generation published after the cached read is no reason for a 409
+        (audit finding, issue 11: a burst got 409 for a generation published a moment ago)."""
+        try:
+            check_satisfiable(snap.latest, c, self.max_staleness)
+        except GenerationUnsatisfiable:
+            latest = await self.store.latest()
+            check_satisfiable(latest[0] if latest else None, c, self.max_staleness)
 
     async def _admit_one(
         self, rollout_id: str, replica_id: str, c: Constraints, session: bool, lease_s: float

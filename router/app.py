@@ -149,6 +149,16 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
 
 
+async def _warn_if_open(app: web.Application) -> None:
+    """At start: say loudly when the data plane accepts anyone (no client keys configured)."""
+    if not app[SETTINGS].api_keys:
+        log.warning(
+            "anonymous mode: no client API keys are configured (ROLLOUTPOOL_ROUTER_API_KEYS), "
+            "so anyone who can reach this router may run rollouts, and sessions are not bound "
+            "to their client; configure keys unless the network is trusted"
+        )
+
+
 def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.Application:
     """A wired router app (no I/O until it is started)."""
     registry = CollectorRegistry()
@@ -165,6 +175,7 @@ def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.A
     app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, metrics
     app[POOL_GAUGES] = metrics.pool
     app.cleanup_ctx.extend([_store_ctx(store_settings), _upstream_ctx, _background_ctx])
+    app.on_startup.append(_warn_if_open)
 
     for path in proxy.INFERENCE_ROUTES:
         app.router.add_post(path, proxy.handle_inference)

@@ -95,11 +95,19 @@ async def test_admin_routes_refuse_client_keys(
         assert r.status == 403 and (await r.json())["error"]["code"] == "admin_disabled"
 
 
-async def test_no_keys_configured_means_open_data_plane(store_settings: StoreSettings) -> None:
+async def test_no_keys_configured_means_open_data_plane(
+    store_settings: StoreSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with router_client(settings(), store_settings):
+        pass
+    assert "anonymous mode" not in caplog.text
     async with router_client(settings(api_keys=[]), store_settings) as c:
         r = await c.get("/v1/models")
         assert r.status == 200
         assert (await r.json())["data"][0]["id"] == "rolloutpool"
+    # audit finding (issue 11): anonymous mode started without a word
+    (warning,) = [r for r in caplog.records if "anonymous mode" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
 
 
 @pytest.mark.parametrize("method,path", CONTROL_ROUTES)
