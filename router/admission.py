@@ -20,7 +20,8 @@ If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries wi
 ``Retry-After``). Constraints that cannot be met by the published generation raise
 :class:`GenerationUnsatisfiable` (409) at once, judged on a fresh read of the published
 generation (the cached view may predate a publish). ``StoreUnavailable`` propagates (503, fail
-closed).
+closed). A session refused by its client's quota (``Terms.quota``, counted by the ADMIT script)
+raises :class:`~router.errors.QuotaExceeded` (429) at once.
 
 Cancellation: if the caller is cancelled while an ADMIT script is in flight, the script is
 allowed to finish (``asyncio.shield``) and a binding it created is released in the background
@@ -42,11 +43,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pool.errors import AdmissionRefused, StoreUnavailable
 from pool.metrics import RouterMetrics
-from pool.store import Admission, RedisStore
+from pool.store import Admission, RedisStore, Terms
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
 from pool.web import BadRequest, Conflict, validate_strictly
 from router.bindings import Bindings
-from router.errors import NoReplicaAvailable
+from router.errors import NoReplicaAvailable, QuotaExceeded
 
 HEADER_MIN_GENERATION = "X-Rollout-Min-Generation"
 HEADER_GENERATION = "X-Rollout-Generation"
@@ -360,8 +361,11 @@ class Admitter:
         session: bool,
         lease_s: float,
         accept: Callable[[ReplicaRecord], bool] | None = None,
+        terms: Terms | None = None,
     ) -> Admitted:
-        """Bind ``rollout_id`` to the best replica that accepts it; blocks up to ``wait_s``."""
+        """Bind ``rollout_id`` (on ``terms``) to the best replica that accepts it; blocks up to
+        ``wait_s``."""
+        terms = terms or Terms()
         t0 = time.monotonic()
         deadline = t0 + self.wait_s
         backoff = 0.01
@@ -375,9 +379,11 @@ class Admitter:
                     self.view.reserve(r.replica_id)
                     try:
                         adm = await self._admit_one(
-                            rollout_id, r.replica_id, constraints, session, lease_s
+                            rollout_id, r.replica_id, constraints, session, lease_s, terms
                         )
                     except AdmissionRefused as e:
+                        if e.reason == "client_quota":
+                            raise self._over_quota(terms) from e
                         refusals[r.replica_id] = e.reason
                         continue
                     finally:
@@ -402,6 +408,18 @@ class Admitter:
         except StoreUnavailable:
             self.metrics.refusals.labels("store_unavailable").inc()
             raise
+        except QuotaExceeded:
+            self.metrics.refusals.labels("client_sessions").inc()
+            raise
+
+    def _over_quota(self, terms: Terms) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"client {terms.quota_key} has {terms.quota} open sessions, its limit "
+            f"(client_max_sessions); close one or let one end first",
+            code="client_sessions",
+            headers={"Retry-After": str(self.retry_after_s)},
+            limit=terms.quota,
+        )
 
     async def _satisfiable(self, snap: PoolSnapshot, c: Constraints) -> None:
         """Raise :class:`GenerationUnsatisfiable` only if the *fresh* published generation
@@ -414,7 +432,13 @@ class Admitter:
             check_satisfiable(latest[0] if latest else None, c, self.max_staleness)
 
     async def _admit_one(
-        self, rollout_id: str, replica_id: str, c: Constraints, session: bool, lease_s: float
+        self,
+        rollout_id: str,
+        replica_id: str,
+        c: Constraints,
+        session: bool,
+        lease_s: float,
+        terms: Terms,
     ) -> Admission:
         task = asyncio.ensure_future(
             self.store.admit(
@@ -425,6 +449,7 @@ class Admitter:
                 generation=c.generation,
                 session=session,
                 lease_s=lease_s,
+                terms=terms,
             )
         )
         try:
