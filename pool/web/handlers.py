@@ -6,8 +6,9 @@ it). A service sets all three (the store in a cleanup context, while the app run
 
 * ``GET /healthz`` — 200 ``{"status": "ok", ...}`` if Redis answers PING and the service's own
   readiness (if any) says so; else 503 ``{"status": "unavailable" | "starting", "error": {...}}``.
-* ``GET /metrics`` — Prometheus text; the pool gauges are refreshed from the store on each
-  scrape (skipped, not failed, while Redis is down).
+* ``GET /metrics`` — Prometheus text; the pool gauges and Redis's memory (used, maxmemory) are
+  refreshed from the store on each scrape (skipped, not failed, while Redis is down:
+  ``rolloutpool_redis_up`` says so).
 * ``GET /v1/pool`` — :class:`PoolView`, read from the store: the published generation, the
   admissible staleness and every replica. Replica URLs (a dev-mode vLLM server's control
   routes are unauthenticated) are shown only to the admin token, ``null`` otherwise.
@@ -117,12 +118,20 @@ def healthz_handler(readiness: Readiness | None = None) -> Handler:
 def metrics_handler() -> Handler:
     async def metrics(request: web.Request) -> web.Response:
         app = request.app
+        gauges, store = app[POOL_GAUGES], app[STORE]
         try:
-            replicas = await app[STORE].replicas()
-            latest = await app[STORE].latest()
-            app[POOL_GAUGES].observe(replicas, latest[0].number if latest else None)
+            replicas = await store.replicas()
+            latest = await store.latest()
+            gauges.observe(replicas, latest[0].number if latest else None)
+            gauges.redis_up.set(1)
         except StoreError as e:
+            gauges.redis_up.set(0)
             log.warning("metrics: pool gauges not refreshed: %s", e.message)
+        else:
+            try:  # a separate step: an ACL user may be refused INFO while Redis is fine
+                gauges.observe_redis(*await store.memory())
+            except StoreError as e:
+                log.warning("metrics: Redis memory not refreshed: %s", e.message)
         return web.Response(
             body=generate_latest(app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

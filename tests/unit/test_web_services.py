@@ -175,3 +175,29 @@ async def test_pool_view_is_one_shape(
         "reason",
         "updated_ms",
     }
+
+
+def sample(text: str, name: str) -> float:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+async def test_redis_memory_is_on_both_services_metrics(
+    store_settings: StoreSettings, store: RedisStore, service: Svc
+) -> None:
+    """Issue 11: Redis filled up silently; both services' /metrics carry its memory (for the
+    alerts in deploy/prometheus/alerts.yml) and whether it answered."""
+    await store.r.config_set("maxmemory", str(3 << 30))
+    try:
+        async with service.open(store_settings, ADMIN) as c:
+            text = await (await c.get("/metrics")).text()
+    finally:
+        await store.r.config_set("maxmemory", "0")
+    assert sample(text, "rolloutpool_redis_up") == 1.0
+    assert sample(text, "rolloutpool_redis_maxmemory_bytes") == 3 << 30
+    used = sample(text, "rolloutpool_redis_used_memory_bytes")
+    assert 0 < used < 3 << 30
+    ss = StoreSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.5)
+    async with service.open(ss, ADMIN) as c:
+        text = await (await c.get("/metrics")).text()
+    assert sample(text, "rolloutpool_redis_up") == 0.0
