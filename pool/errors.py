@@ -13,6 +13,7 @@
     │   │   └── StaleFencingToken       the writer no longer holds the updater lease
     │   ├── AdmissionRefused            no admission on this replica (with a machine reason)
     │   └── NotFound                    unknown replica / rollout / generation
+    │       └── LimitReached            a binding reached its max age or idle limit
     ├── EngineError                     an operation on a vLLM server failed
     │   ├── NoMutation                  proved: the engine's weights/caches were not touched
     │   └── AmbiguousMutation           the engine may be half-changed → TAINTED
@@ -91,6 +92,17 @@ class AdmissionRefused(StoreError):
 
 class NotFound(StoreError):
     code = "not_found"
+
+
+class LimitReached(NotFound):
+    """A binding reached its maximum age or idle limit: it may no longer be used (its lease
+    cannot be extended), and ends with ``reason`` (by the caller, or by the reaper)."""
+
+    code = "limit_reached"
+
+    def __init__(self, message: str, *, reason: str, **context: Any) -> None:
+        super().__init__(message, reason=reason, **context)
+        self.reason = reason
 
 
 class EngineError(RolloutPoolError):

@@ -38,12 +38,17 @@ PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 @dataclass
 class PoolGauges:
-    """Per-replica state as seen in the store; refreshed from :meth:`observe` before a scrape."""
+    """Per-replica state as seen in the store, and Redis itself (reachable, memory used and its
+    limit: ``deploy/prometheus/alerts.yml`` alerts on them); refreshed from :meth:`observe` and
+    :meth:`observe_redis` before a scrape."""
 
     replica_generation: Gauge
     replica_state: Gauge
     replica_active: Gauge
     published_generation: Gauge
+    redis_up: Gauge
+    redis_used_memory: Gauge
+    redis_maxmemory: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> PoolGauges:
@@ -71,6 +76,21 @@ class PoolGauges:
                 "The latest published (committed) generation number",
                 registry=registry,
             ),
+            redis_up=Gauge(
+                "rolloutpool_redis_up",
+                "1 if Redis answered this process at the last scrape, else 0",
+                registry=registry,
+            ),
+            redis_used_memory=Gauge(
+                "rolloutpool_redis_used_memory_bytes",
+                "Redis used_memory (INFO memory) at the last scrape that reached it",
+                registry=registry,
+            ),
+            redis_maxmemory=Gauge(
+                "rolloutpool_redis_maxmemory_bytes",
+                "Redis maxmemory (0: no limit) at the last scrape that reached it",
+                registry=registry,
+            ),
         )
 
     def observe(self, replicas: list[ReplicaRecord], published: int | None) -> None:
@@ -82,6 +102,10 @@ class PoolGauges:
                 self.replica_state.labels(r.replica_id, s.value).set(int(r.state is s))
             self.replica_active.labels(r.replica_id).set(r.active)
         self.published_generation.set(-1 if published is None else published)
+
+    def observe_redis(self, used: int, maximum: int) -> None:
+        self.redis_used_memory.set(used)
+        self.redis_maxmemory.set(maximum)
 
 
 @dataclass

@@ -146,7 +146,12 @@ class ReplicaRecord(_Frozen):
 
 
 class Binding(_Frozen):
-    """One rollout bound to one replica and one generation, from admission to release."""
+    """One rollout bound to one replica and one generation, from admission to release.
+
+    ``client`` is the identity that may use it ('' = anyone); ``deadline_ms`` (its maximum age)
+    and ``idle_limit_ms`` (the longest it may go without a request, since ``last_request_ms``)
+    bound a session however often it is heartbeated (:class:`pool.store.Terms`).
+    """
 
     rollout_id: str
     replica_id: str
@@ -162,6 +167,10 @@ class Binding(_Frozen):
     completion_tokens: int = 0
     requests: int = 0
     reason: str = ""
+    client: str = ""
+    deadline_ms: int | None = None
+    idle_limit_ms: int | None = None
+    last_request_ms: int | None = None
 
 
 class GenerationRecord(_Frozen):

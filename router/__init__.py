@@ -15,6 +15,8 @@ Modules (read in this order):
 * :mod:`router.proxy` — forwarding, SSE streaming, the outcome of each request
 * :mod:`router.admission` — constraints, the cached pool view, ordering and admitting
 * :mod:`router.sessions` — ``/v1/rollouts`` (multi-request rollouts) and provenance records
+* :mod:`router.limits` — what a client may hold: requests in flight, the terms of its rollouts
+  (owner, a session's maximum age and idle limit, its session quota), a request's deadline
 * :mod:`router.bindings` — releasing (shielded, retried) and lease renewal
 * :mod:`router.provenance` — the ``rollout`` object, ``X-Rollout-*`` headers, span check
 * :mod:`router.upstream` — the pooled client session and the replicas' model ids

@@ -18,8 +18,10 @@ pool (:class:`ReplicaView`):
 If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries with backoff until
 ``admission_wait_s`` is spent, then raises :class:`~router.errors.NoReplicaAvailable` (503 with
 ``Retry-After``). Constraints that cannot be met by the published generation raise
-:class:`GenerationUnsatisfiable` (409) at once. ``StoreUnavailable`` propagates (503, fail
-closed).
+:class:`GenerationUnsatisfiable` (409) at once, judged on a fresh read of the published
+generation (the cached view may predate a publish). ``StoreUnavailable`` propagates (503, fail
+closed). A session refused by its client's quota (``Terms.quota``, counted by the ADMIT script)
+raises :class:`~router.errors.QuotaExceeded` (429) at once.
 
 Cancellation: if the caller is cancelled while an ADMIT script is in flight, the script is
 allowed to finish (``asyncio.shield``) and a binding it created is released in the background
@@ -41,11 +43,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pool.errors import AdmissionRefused, StoreUnavailable
 from pool.metrics import RouterMetrics
-from pool.store import Admission, RedisStore
+from pool.store import Admission, RedisStore, Terms
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
 from pool.web import BadRequest, Conflict, validate_strictly
 from router.bindings import Bindings
-from router.errors import NoReplicaAvailable
+from router.errors import NoReplicaAvailable, QuotaExceeded
 
 HEADER_MIN_GENERATION = "X-Rollout-Min-Generation"
 HEADER_GENERATION = "X-Rollout-Generation"
@@ -359,8 +361,11 @@ class Admitter:
         session: bool,
         lease_s: float,
         accept: Callable[[ReplicaRecord], bool] | None = None,
+        terms: Terms | None = None,
     ) -> Admitted:
-        """Bind ``rollout_id`` to the best replica that accepts it; blocks up to ``wait_s``."""
+        """Bind ``rollout_id`` (on ``terms``) to the best replica that accepts it; blocks up to
+        ``wait_s``."""
+        terms = terms or Terms()
         t0 = time.monotonic()
         deadline = t0 + self.wait_s
         backoff = 0.01
@@ -369,14 +374,16 @@ class Admitter:
         try:
             while True:
                 snap = await self.view.get(fresh=fresh)
-                check_satisfiable(snap.latest, constraints, self.max_staleness)
+                await self._satisfiable(snap, constraints)
                 for r in candidates(self.view, snap, constraints, self.max_staleness, key, accept):
                     self.view.reserve(r.replica_id)
                     try:
                         adm = await self._admit_one(
-                            rollout_id, r.replica_id, constraints, session, lease_s
+                            rollout_id, r.replica_id, constraints, session, lease_s, terms
                         )
                     except AdmissionRefused as e:
+                        if e.reason == "client_quota":
+                            raise self._over_quota(terms) from e
                         refusals[r.replica_id] = e.reason
                         continue
                     finally:
@@ -401,9 +408,37 @@ class Admitter:
         except StoreUnavailable:
             self.metrics.refusals.labels("store_unavailable").inc()
             raise
+        except QuotaExceeded:
+            self.metrics.refusals.labels("client_sessions").inc()
+            raise
+
+    def _over_quota(self, terms: Terms) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"client {terms.quota_key} has {terms.quota} open sessions, its limit "
+            f"(client_max_sessions); close one or let one end first",
+            code="client_sessions",
+            headers={"Retry-After": str(self.retry_after_s)},
+            limit=terms.quota,
+        )
+
+    async def _satisfiable(self, snap: PoolSnapshot, c: Constraints) -> None:
+        """Raise :class:`GenerationUnsatisfiable` only if the *fresh* published generation
+        cannot meet ``c``: a generation published after the cached read is no reason for a 409
+        (audit finding, issue 11: a burst got 409 for a generation published a moment ago)."""
+        try:
+            check_satisfiable(snap.latest, c, self.max_staleness)
+        except GenerationUnsatisfiable:
+            latest = await self.store.latest()
+            check_satisfiable(latest[0] if latest else None, c, self.max_staleness)
 
     async def _admit_one(
-        self, rollout_id: str, replica_id: str, c: Constraints, session: bool, lease_s: float
+        self,
+        rollout_id: str,
+        replica_id: str,
+        c: Constraints,
+        session: bool,
+        lease_s: float,
+        terms: Terms,
     ) -> Admission:
         task = asyncio.ensure_future(
             self.store.admit(
@@ -414,6 +449,7 @@ class Admitter:
                 generation=c.generation,
                 session=session,
                 lease_s=lease_s,
+                terms=terms,
             )
         )
         try:

@@ -57,6 +57,7 @@ from router.keys import (
     BINDINGS,
     CATALOG,
     HTTP,
+    IN_FLIGHT,
     METRICS,
     POOL_GAUGES,
     REAPER,
@@ -65,6 +66,7 @@ from router.keys import (
     STORE,
     VIEW,
 )
+from router.limits import InFlight
 from router.settings import RouterSettings
 from router.upstream import ReplicaCatalog, client_session
 
@@ -136,7 +138,7 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    tick_s = min(1.0, settings.request_lease_s / 6, settings.session_lease_s / 6)
+    tick_s = min(1.0, settings.request_lease_s / 6, sessions.session_lease_s(settings) / 6)
     tasks = [
         loop.create_task(_reap_forever(app[STORE], settings.reaper_interval_s, stop)),
         loop.create_task(app[BINDINGS].renew_forever(tick_s, stop)),
@@ -147,6 +149,16 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     _, pending = await asyncio.wait(tasks, timeout=10)
     for task in pending:
         task.cancel()
+
+
+async def _warn_if_open(app: web.Application) -> None:
+    """At start: say loudly when the data plane accepts anyone (no client keys configured)."""
+    if not app[SETTINGS].api_keys:
+        log.warning(
+            "anonymous mode: no client API keys are configured (ROLLOUTPOOL_ROUTER_API_KEYS), "
+            "so anyone who can reach this router may run rollouts, and sessions are not bound "
+            "to their client; configure keys unless the network is trusted"
+        )
 
 
 def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.Application:
@@ -164,7 +176,9 @@ def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.A
     )
     app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, metrics
     app[POOL_GAUGES] = metrics.pool
+    app[IN_FLIGHT] = InFlight(settings)
     app.cleanup_ctx.extend([_store_ctx(store_settings), _upstream_ctx, _background_ctx])
+    app.on_startup.append(_warn_if_open)
 
     for path in proxy.INFERENCE_ROUTES:
         app.router.add_post(path, proxy.handle_inference)

@@ -4,11 +4,13 @@
 
     HttpError (pool.web.errors)
     └── RouterError                    status 500   router_error
+        ├── QuotaExceeded              429          client_sessions, client_in_flight,
+        │                                           session_busy (Retry-After)
         ├── NoReplicaAvailable         503          no_replica_available (Retry-After)
         ├── BindingEnded               503          binding_ended: output withheld (Retry-After)
         ├── UpstreamError              502          upstream_error, upstream_unavailable,
         │                                           provenance_violation
-        └── UpstreamTimeout            504          upstream_timeout
+        └── UpstreamTimeout            504          upstream_timeout, deadline_exceeded
 
 The 4xx answers (``BadRequest``, ``Unauthorized``, ``Forbidden``, ``RouteNotFound``,
 ``Conflict``, ``PayloadTooLarge``, ``RateLimited``), the status of pool errors and the error
@@ -23,6 +25,13 @@ from pool.web import HttpError
 class RouterError(HttpError):
     status = 500
     code = "router_error"
+
+
+class QuotaExceeded(RouterError):
+    """A client limit of :class:`~router.settings.RouterSettings` refused the request."""
+
+    status = 429
+    code = "quota_exceeded"
 
 
 class NoReplicaAvailable(RouterError):

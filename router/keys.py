@@ -1,6 +1,7 @@
 """Typed application keys: every resource the router's handlers share lives under one of these.
 
-Set by :func:`router.app.create_app` (settings, registry, metrics, pool gauges) and by its
+Set by :func:`router.app.create_app` (settings, registry, metrics, pool gauges, in-flight
+counts) and by its
 cleanup contexts (store, view, bindings, admitter, upstream session, catalog, reaper) — the
 latter exist only while the app runs. ``STORE``, ``REGISTRY`` and ``POOL_GAUGES`` are the HTTP
 kit's keys (its shared ``/healthz``, ``/metrics`` and ``/v1/pool`` handlers read them).
@@ -17,6 +18,7 @@ from pool.metrics import RouterMetrics
 from pool.web import POOL_GAUGES, REGISTRY, STORE
 from router.admission import Admitter, ReplicaView
 from router.bindings import Bindings
+from router.limits import InFlight
 from router.settings import RouterSettings
 from router.upstream import ReplicaCatalog
 
@@ -28,12 +30,14 @@ ADMITTER = web.AppKey("admitter", Admitter)
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 CATALOG = web.AppKey("catalog", ReplicaCatalog)
 REAPER = web.AppKey("reaper", asyncio.Task[None])
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
 
 __all__ = [
     "ADMITTER",
     "BINDINGS",
     "CATALOG",
     "HTTP",
+    "IN_FLIGHT",
     "METRICS",
     "POOL_GAUGES",
     "REAPER",

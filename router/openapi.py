@@ -27,7 +27,8 @@ _TEXT = {
     "the body name different generations) or rollout not active",
     413: "body too large",
     422: "rejected by the replica",
-    429: "rate limited",
+    429: "rate limited, or a client limit reached (client_sessions, client_in_flight, "
+    "session_busy); Retry-After says when to try again",
     502: "upstream error or provenance violation",
     503: "no admissible replica or store unavailable",
     504: "upstream timeout",
@@ -178,7 +179,7 @@ def document(*, client_keys: bool = False, model: str = "rolloutpool") -> dict[s
                 },
                 "responses": {
                     "201": json_content(obj, "the session binding"),
-                    **_errors(400, 401, 409, 413, 503),
+                    **_errors(400, 401, 409, 413, 429, 503),
                 },
             }
         },

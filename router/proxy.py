@@ -41,11 +41,19 @@ upstream 4xx                                ``aborted`` "upstream 4xx: HTTP n"; 
 upstream 5xx / bad body                     ``aborted``; 502
 connection failed or lost                   ``aborted``; 502 (or an SSE error event)
 no byte for ``upstream_timeout_s``          ``aborted``; 504 (or an SSE error event)
+past ``request_deadline_s`` (for a          ``aborted`` with the reason; 504
+session's request: or its maximum age)      ``deadline_exceeded`` (or an SSE error event)
 binding ended under the request            (left as ended); 503 ``binding_ended``
 client disconnected                         ``aborted`` "client disconnected"; the upstream
                                             connection is closed, so vLLM aborts the request
+a stream the client does not read for       ``aborted`` "client stopped reading: ..."; both
+``client_write_timeout_s``                  connections are closed
 any other exception / cancellation          ``aborted`` with the reason
 ==========================================  ===========================================
+
+Before any of that, a request over one of its client's limits (:mod:`router.limits`: requests in
+flight per client, concurrent requests of a session) is answered 429 with ``Retry-After``, and
+the deadline runs from its arrival.
 
 **Client disconnects.** The router is served with aiohttp's ``handler_cancellation=True``
 (:func:`router.app.start_server`, :mod:`router.__main__`; aiohttp's test server does the same):
@@ -71,12 +79,31 @@ from aiohttp import web
 
 from pool.errors import StoreError
 from pool.types import BindingState, ReplicaRecord
-from pool.web import Conflict, RouteNotFound, dumps, json_response, read_json_object
-from router import sessions
+from pool.web import (
+    CLIENT,
+    BadRequest,
+    Conflict,
+    RouteNotFound,
+    dumps,
+    json_response,
+    read_json_object,
+)
+from router import limits, sessions
 from router.admission import Constraints, affinity_key
 from router.bindings import DEFAULT_REASON, Outcome, Settled, Settlement, shielded
 from router.errors import BindingEnded, RouterError, UpstreamError, UpstreamTimeout
-from router.keys import ADMITTER, BINDINGS, CATALOG, HTTP, METRICS, SETTINGS, STORE, VIEW
+from router.keys import (
+    ADMITTER,
+    BINDINGS,
+    CATALOG,
+    HTTP,
+    IN_FLIGHT,
+    METRICS,
+    SETTINGS,
+    STORE,
+    VIEW,
+)
+from router.limits import Deadline
 from router.provenance import (
     HEADER_ID,
     RolloutInfo,
@@ -117,10 +144,11 @@ TIMINGS = web.RequestKey("timings", Timings)
 
 @dataclass(frozen=True)
 class Target:
-    """Where and under which binding a request runs."""
+    """Where, under which binding and until when a request runs."""
 
     info: RolloutInfo
     replica: ReplicaRecord
+    deadline: Deadline
 
 
 # ------------------------------------------------------------------------------ entry point
@@ -129,6 +157,7 @@ class Target:
 async def handle_inference(request: web.Request) -> web.StreamResponse:
     app = request.app
     settings = app[SETTINGS]
+    deadline = Deadline.of_request(settings)
     body = await read_json_object(request, settings.max_body_bytes)
     constraints = Constraints.from_headers(request.headers)
     if "rollout" in body:
@@ -136,17 +165,33 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RouteNotFound("'model' must be a string", code="model_not_found")
+    check_fields(body)
     accept = await _model_filter(request, model)
 
-    session_id = request.headers.get(HEADER_ID)
-    if session_id is not None:
-        info, replica, settle = await sessions.resolve(
-            request, session_id.strip(), constraints, accept
+    header = request.headers.get(HEADER_ID)
+    session_id = None if header is None else header.strip()
+    with app[IN_FLIGHT].hold(request.get(CLIENT), session_id):
+        if session_id is None:
+            return await _single(request, body, constraints, model, accept, deadline)
+        info, replica, settle, ends_ms = await sessions.resolve(
+            request, session_id, constraints, accept
         )
-        lease_s = settings.session_lease_s
-        with app[BINDINGS].renewing(info.rollout_id, lease_s):
-            return await run_settled(request, Target(info, replica), body, model, settle)
+        target = Target(info, replica, deadline.capped(ends_ms))
+        with app[BINDINGS].renewing(info.rollout_id, sessions.session_lease_s(settings)):
+            return await run_settled(request, target, body, model, settle)
 
+
+async def _single(
+    request: web.Request,
+    body: dict[str, Any],
+    constraints: Constraints,
+    model: str | None,
+    accept: Callable[[ReplicaRecord], bool] | None,
+    deadline: Deadline,
+) -> web.StreamResponse:
+    """A one-request rollout: admit, forward, release."""
+    app = request.app
+    settings = app[SETTINGS]
     rollout_id = new_rollout_id()
     timings = request[TIMINGS] = Timings(time.perf_counter())
     admitted = await app[ADMITTER].admit(
@@ -156,6 +201,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         session=False,
         lease_s=settings.request_lease_s,
         accept=accept,
+        terms=limits.terms(settings, request.get(CLIENT), session=False),
     )
     adm, replica = admitted.admission, admitted.replica
     timings.admit = time.perf_counter() - timings.start
@@ -175,7 +221,7 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
         finally:
             view.finished(replica.replica_id)
 
-    target = Target(RolloutInfo.of_admission(adm), replica)
+    target = Target(RolloutInfo.of_admission(adm), replica, deadline)
     with bindings.renewing(rollout_id, settings.request_lease_s):
         return await run_settled(request, target, body, model, Settlement(release))
 
@@ -279,6 +325,20 @@ async def _model_filter(
 # ------------------------------------------------------------------------------ forwarding
 
 
+def check_fields(body: dict[str, Any]) -> None:
+    """400 for fields the router itself acts on but cannot read: ``stream`` must be a boolean
+    (vLLM would take ``"true"`` for true and stream, while the router waited for one JSON body),
+    ``stream_options`` an object. The replica validates everything else."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(
+            f"'stream' must be true or false, not {dumps(stream)[:40]}", code="invalid_body"
+        )
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", code="invalid_body")
+
+
 def cache_salt(label: str, client_salt: Any) -> str:
     if not isinstance(client_salt, str) or not client_salt:
         return label
@@ -333,10 +393,14 @@ async def forward(
     payload = dumps(upstream_body(body, route, target.info.label, info, stream)).encode()
     url = target.replica.url.rstrip("/") + route
     sent = time.perf_counter()
+    deadline = asyncio.timeout_at(target.deadline.at)
     try:
-        resp = await app[HTTP].post(url, data=payload, headers={"Content-Type": "application/json"})
+        async with deadline:
+            resp = await app[HTTP].post(
+                url, data=payload, headers={"Content-Type": "application/json"}
+            )
     except (aiohttp.ClientError, TimeoutError) as e:
-        raise _upstream_failure(e, target, outcome, "request") from e
+        raise _upstream_failure(e, target, outcome, "request", deadline.expired()) from e
     complete = False
     try:
         if stream and resp.status == 200 and resp.content_type == "text/event-stream":
@@ -345,7 +409,7 @@ async def forward(
             )
             out = await _stream(request, resp, target, model, wants_usage, outcome, settle)
         else:
-            out = await _whole(request, resp, target, model, outcome, sent)
+            out = await _whole(request, resp, target, model, outcome, settle, sent)
         complete = True
         return out
     finally:
@@ -356,10 +420,19 @@ async def forward(
 
 
 def _upstream_failure(
-    e: BaseException, target: Target, outcome: Outcome, phase: str
+    e: BaseException, target: Target, outcome: Outcome, phase: str, expired: bool = False
 ) -> RouterError:
     headers = target.info.headers()
     rid = target.replica.replica_id
+    if expired:  # the request's own deadline, not the replica's silence
+        outcome.abort(target.deadline.reason)
+        return UpstreamTimeout(
+            f"rollout {target.info.rollout_id} ended: {target.deadline.reason}",
+            code="deadline_exceeded",
+            headers=headers,
+            replica=rid,
+            rollout=target.info.as_json(),
+        )
     if isinstance(e, TimeoutError):
         outcome.abort("upstream timeout")
         return UpstreamTimeout(
@@ -369,8 +442,16 @@ def _upstream_failure(
             rollout=target.info.as_json(),
         )
     outcome.abort(f"upstream connection failed: {type(e).__name__}")
+    log.warning(
+        "rollout %s: replica %s (%s), %s: %r",
+        target.info.rollout_id,
+        rid,
+        target.replica.url,
+        phase,
+        e,
+    )
     return UpstreamError(
-        f"replica {rid} unreachable or connection lost ({phase}: {type(e).__name__}: {e})",
+        f"replica {rid} could not be reached or the connection was lost ({phase})",
         code="upstream_unavailable",
         headers=headers,
         replica=rid,
@@ -379,7 +460,10 @@ def _upstream_failure(
 
 
 async def report_violation(app: web.Application, target: Target, reason: str) -> None:
-    """Taint the replica and count the violation (the caller ends the binding)."""
+    """Taint the replica and count the violation. Only for a binding the settlement confirmed
+    (still active until the answer): spans that contradict a binding which had already ended
+    prove nothing against the replica (the updater may have aborted the binding at a drain
+    deadline and changed the weights, as it may); such output is withheld as ``binding_ended``."""
     rid = target.replica.replica_id
     app[METRICS].violations.labels(rid).inc()
     try:
@@ -389,32 +473,66 @@ async def report_violation(app: web.Application, target: Target, reason: str) ->
     app[VIEW].invalidate()
 
 
+class BodyTooLarge(Exception):
+    """An upstream body exceeded ``max_upstream_body_bytes``."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole upstream body, or :class:`BodyTooLarge` as soon as it exceeds ``limit``."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise BodyTooLarge
+    buf = bytearray()
+    async for piece in resp.content.iter_any():
+        buf += piece
+        if len(buf) > limit:
+            raise BodyTooLarge
+    return bytes(buf)
+
+
 async def _whole(
     request: web.Request,
     resp: aiohttp.ClientResponse,
     target: Target,
     model: str | None,
     outcome: Outcome,
+    settle: Settlement,
     sent: float,
 ) -> web.Response:
     info = target.info
     rid = target.replica.replica_id
+    limit = request.app[SETTINGS].max_upstream_body_bytes
+    deadline = asyncio.timeout_at(target.deadline.at)
     try:
-        raw = await resp.read()
+        async with deadline:
+            raw = await read_capped(resp, limit)
     except (aiohttp.ClientError, TimeoutError) as e:
-        raise _upstream_failure(e, target, outcome, "response") from e
+        raise _upstream_failure(e, target, outcome, "response", deadline.expired()) from e
+    except BodyTooLarge as e:
+        outcome.abort(f"upstream body larger than {limit} bytes")
+        raise UpstreamError(
+            f"replica {rid} answered a body larger than the router's limit of {limit} bytes",
+            headers=info.headers(),
+            replica=rid,
+            rollout=info.as_json(),
+        ) from e
     timings = request.get(TIMINGS)
     if timings is not None:
         timings.upstream = time.perf_counter() - sent
     status = resp.status
     if status >= 500 or status < 200:
         outcome.abort(f"upstream {status // 100}xx: HTTP {status}")
+        log.warning(
+            "rollout %s: replica %s answered HTTP %d: %s",
+            info.rollout_id,
+            rid,
+            status,
+            raw[:EXCERPT].decode(errors="replace"),
+        )
         raise UpstreamError(
             f"replica {rid} answered HTTP {status}",
             headers=info.headers(),
             replica=rid,
             upstream_status=status,
-            upstream_body=raw[:EXCERPT].decode(errors="replace"),
             rollout=info.as_json(),
         )
     if status >= 400:
@@ -437,16 +555,23 @@ async def _whole(
         data = None
     if not isinstance(data, dict):
         outcome.abort("upstream returned a body that is not a JSON object")
+        log.warning(
+            "rollout %s: replica %s returned a body that is not a JSON object: %s",
+            info.rollout_id,
+            rid,
+            raw[:EXCERPT].decode(errors="replace"),
+        )
         raise UpstreamError(
             f"replica {rid} returned a body that is not a JSON object",
             headers=info.headers(),
             replica=rid,
-            upstream_body=raw[:EXCERPT].decode(errors="replace"),
             rollout=info.as_json(),
         )
     violation = check_response(data, info.label)
     if violation is not None:
         outcome.violate(violation)
+        verdict = await settle(outcome)  # first: was the binding still active?
+        await confirm(request, target, verdict)  # if not: binding_ended / store_unavailable
         await report_violation(request.app, target, violation)
         raise UpstreamError(
             f"rollout {info.rollout_id} violated its binding: {violation}",
@@ -467,7 +592,7 @@ async def _whole(
 
 
 class _ClientGone(Exception):
-    """Writing to the client failed: it disconnected."""
+    """Writing to the client failed: it disconnected, or stopped reading (the message says)."""
 
 
 async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
@@ -518,15 +643,25 @@ async def _stream(
         },
     )
     await out.prepare(request)
+    write_timeout = request.app[SETTINGS].client_write_timeout_s
 
     async def send(payload: bytes | None) -> None:
+        """Write one event; a client that does not take it within ``write_timeout`` (it
+        stopped reading: the socket buffers are full) is cut off like one that left."""
         try:
-            if payload is None:
-                await out.write_eof()
-            else:
-                await out.write(b"data: " + payload + b"\n\n")
+            async with asyncio.timeout(write_timeout):
+                if payload is None:
+                    await out.write_eof()
+                else:
+                    await out.write(b"data: " + payload + b"\n\n")
         except ConnectionResetError as e:
-            raise _ClientGone from e
+            raise _ClientGone("client disconnected") from e
+        except TimeoutError as e:
+            if request.transport is not None:
+                request.transport.abort()
+            raise _ClientGone(
+                f"client stopped reading: an event waited {write_timeout:g} s to be sent"
+            ) from e
 
     check = SpanCheck(info.label)
     tokens: tuple[int, int] | None = None
@@ -534,47 +669,49 @@ async def _stream(
     error: str | None = None
     failure: str | None = None
     done = False
+    deadline = asyncio.timeout_at(target.deadline.at)
     try:
         try:
-            async for payload in sse_events(resp.content):
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = json.loads(payload)
-                except ValueError:
-                    chunk = None
-                if not isinstance(chunk, dict):
-                    await send(payload)
-                    continue
-                if "error" in chunk and not chunk.get("choices"):
-                    err = chunk["error"]
-                    error = str(err.get("message", err) if isinstance(err, dict) else err)
-                check.observe(chunk)
-                tokens = usage_tokens(chunk) or tokens
-                if model is not None and "model" in chunk:
-                    chunk["model"] = model
-                usage_only = chunk.get("choices") == [] and "usage" in chunk
-                if usage_only and not wants_usage:
-                    continue
-                if held is not None:
-                    await send(dumps(held).encode())
-                    held = None
-                if usage_only or _finishes(chunk):
-                    held = chunk
-                else:
-                    await send(dumps(chunk).encode())
+            async with deadline:
+                async for payload in sse_events(resp.content):
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    try:
+                        chunk = json.loads(payload)
+                    except ValueError:
+                        chunk = None
+                    if not isinstance(chunk, dict):
+                        await send(payload)
+                        continue
+                    if "error" in chunk and not chunk.get("choices"):
+                        err = chunk["error"]
+                        error = str(err.get("message", err) if isinstance(err, dict) else err)
+                    check.observe(chunk)
+                    tokens = usage_tokens(chunk) or tokens
+                    if model is not None and "model" in chunk:
+                        chunk["model"] = model
+                    usage_only = chunk.get("choices") == [] and "usage" in chunk
+                    if usage_only and not wants_usage:
+                        continue
+                    if held is not None:
+                        await send(dumps(held).encode())
+                        held = None
+                    if usage_only or _finishes(chunk):
+                        held = chunk
+                    else:
+                        await send(dumps(chunk).encode())
         except (aiohttp.ClientError, TimeoutError) as e:
-            failure = (
-                "upstream timeout"
-                if isinstance(e, TimeoutError)
-                else f"upstream connection lost: {type(e).__name__}"
-            )
+            if deadline.expired():
+                failure = target.deadline.reason
+            elif isinstance(e, TimeoutError):
+                failure = "upstream timeout"
+            else:
+                failure = f"upstream connection lost: {type(e).__name__}"
 
         violation = check.violation()
         if violation is not None:
             outcome.violate(violation)
-            await report_violation(request.app, target, violation)
         elif failure is not None:
             outcome.abort(failure)
         elif error is not None:
@@ -587,12 +724,14 @@ async def _stream(
 
         rollout = info.as_json()
         problem: tuple[str, str] | None = None
-        if violation is not None:
+        if violation is not None and verdict is Settled.CONFIRMED:
+            await report_violation(request.app, target, violation)
             rollout["violation"] = violation
             problem = ("provenance_violation", violation)
         elif failure is not None or (not done and error is None):
-            problem = ("upstream_error", failure or "upstream stream ended without [DONE]")
-        elif outcome.state is BindingState.FINISHED and verdict is not Settled.CONFIRMED:
+            code = "deadline_exceeded" if deadline.expired() else "upstream_error"
+            problem = (code, failure or "upstream stream ended without [DONE]")
+        elif outcome.state is not BindingState.ABORTED and verdict is not Settled.CONFIRMED:
             rollout["unconfirmed"] = True
             why = "could not be confirmed" if verdict is Settled.UNCONFIRMED else "was ended"
             problem = (
@@ -609,8 +748,8 @@ async def _stream(
         else:
             await send(b"[DONE]")
         await send(None)
-    except _ClientGone:
+    except _ClientGone as e:
         resp.close()  # the client is gone: stop the generation upstream
         if not settle.done:
-            outcome.abort("client disconnected")
+            outcome.abort(str(e))
     return out

@@ -3,16 +3,24 @@
 * ``POST /v1/rollouts`` (optional body ``{min_generation, generation}``, or the
   ``X-Rollout-*`` constraint headers) admits a *session* binding with lease
   ``session_lease_s`` → 201 ``{rollout_id, generation, label, identity_digest, replica,
-  lease_expires_ms}``.
+  lease_expires_ms, deadline_ms}``, on the terms of :func:`router.limits.terms`: owned by the
+  client that opened it (when client keys are configured), ended at ``session_max_age_s``
+  (``deadline_ms``) and after ``session_idle_s`` without a request, counted against the
+  client's ``client_max_sessions`` (429 ``client_sessions``).
 * Requests with ``X-Rollout-Id: <id>`` go to the session's replica with its generation's cache
   salt (:func:`resolve`). Each one renews the lease and counts itself (``requests + 1``) before
   it is forwarded, renews the lease while it runs, and adds its token counts when it finishes;
   that last touch also proves the session was still active, else the answer is withheld (409
   ``binding_ended``, see :mod:`router.proxy`). A failed request (upstream error, client
   disconnect) leaves the session open; a provenance violation ends it as ``violated``.
-* ``POST /v1/rollouts/{id}/heartbeat`` renews the lease; ``POST /v1/rollouts/{id}/close``
-  releases the session as ``finished``. A session whose lease runs out is aborted by the reaper.
+* ``POST /v1/rollouts/{id}/heartbeat`` renews the lease (never past the maximum age or the
+  idle limit); ``POST /v1/rollouts/{id}/close`` releases the session as ``finished``. A session
+  whose lease runs out is aborted by the reaper, with the reason ("lease expired", or the limit
+  it reached); one found past a limit on use is aborted at once, with that reason.
 * ``GET /v1/rollouts/{id}`` returns the provenance record of any rollout (session or not).
+
+Every route here, and a request with ``X-Rollout-Id``, is for the rollout's owner (or the admin
+token) only: another client gets 404 ``rollout_not_found``, as for an unknown id.
 
 Errors: unknown id → 404 ``rollout_not_found``; a one-request rollout's id → 409
 ``not_a_session``; an ended session → 409 ``rollout_not_active``; constraints the session's
@@ -28,26 +36,43 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from pool.errors import NotFound, StoreError
+from pool.errors import LimitReached, NotFound, StoreError
 from pool.types import Binding, BindingState, ReplicaRecord, ReplicaState
-from pool.web import Conflict, RouteNotFound, json_response, read_json_object
+from pool.web import CLIENT, Conflict, RouteNotFound, json_response, read_json_object
+from router import limits
 from router.admission import Constraints
 from router.bindings import Outcome, Settled, Settlement, shielded
 from router.keys import ADMITTER, BINDINGS, SETTINGS, STORE, VIEW
 from router.provenance import RolloutInfo, new_rollout_id
+from router.settings import RouterSettings
 
 log = logging.getLogger("router")
 
 SERVING = frozenset({ReplicaState.READY, ReplicaState.DRAINING})
 
 
+def session_lease_s(settings: RouterSettings) -> float:
+    """A session's lease as its binding has it: never longer than its idle limit or max age."""
+    return min(settings.session_lease_s, settings.session_idle_s, settings.session_max_age_s)
+
+
+def _unknown(rollout_id: str) -> RouteNotFound:
+    return RouteNotFound(
+        f"unknown rollout {rollout_id}", code="rollout_not_found", rollout_id=rollout_id
+    )
+
+
 async def _binding(request: web.Request, rollout_id: str) -> Binding:
+    """The rollout's binding, if the caller may use it: its owner or the admin (audit finding,
+    issue 11: sessions were usable by any client that knew the id). Another client is told
+    the rollout does not exist."""
     try:
-        return await shielded(request.app[STORE].binding(rollout_id))
+        b = await shielded(request.app[STORE].binding(rollout_id))
     except NotFound as e:
-        raise RouteNotFound(
-            f"unknown rollout {rollout_id}", code="rollout_not_found", rollout_id=rollout_id
-        ) from e
+        raise _unknown(rollout_id) from e
+    if b.client and request.get(CLIENT) not in (b.client, limits.ADMIN):
+        raise _unknown(rollout_id)
+    return b
 
 
 async def _active_session(request: web.Request, rollout_id: str) -> Binding:
@@ -69,13 +94,23 @@ async def _active_session(request: web.Request, rollout_id: str) -> Binding:
     return b
 
 
-def _not_active(rollout_id: str, state: object) -> Conflict:
+def _not_active(rollout_id: str, state: object, reason: str = "") -> Conflict:
     return Conflict(
-        f"session {rollout_id} is no longer active ({state or 'expired'})",
+        f"session {rollout_id} is no longer active ({state or 'expired'}"
+        f"{': ' + reason if reason else ''})",
         code="rollout_not_active",
         rollout_id=rollout_id,
         state=str(state or ""),
+        reason=reason or None,
     )
+
+
+async def _end_at_limit(request: web.Request, b: Binding, e: LimitReached) -> Conflict:
+    """End a session found past its maximum age or idle limit (before the reaper does); the
+    answer says why."""
+    await request.app[BINDINGS].release(b.rollout_id, b.replica_id, BindingState.ABORTED, e.reason)
+    final = await _binding(request, b.rollout_id)
+    return _not_active(b.rollout_id, final.state, final.reason)
 
 
 # ------------------------------------------------------------------------------ endpoints
@@ -90,7 +125,12 @@ async def open_session(request: web.Request) -> web.Response:
     )
     rollout_id = new_rollout_id()
     admitted = await app[ADMITTER].admit(
-        rollout_id, constraints, b"", session=True, lease_s=settings.session_lease_s
+        rollout_id,
+        constraints,
+        b"",
+        session=True,
+        lease_s=settings.session_lease_s,
+        terms=limits.terms(settings, request.get(CLIENT), session=True),
     )
     adm = admitted.admission
     info = RolloutInfo.of_admission(adm)
@@ -100,7 +140,8 @@ async def open_session(request: web.Request) -> web.Response:
         "label": adm.label,
         "identity_digest": adm.identity_digest,
         "replica": adm.replica_id,
-        "lease_expires_ms": adm.created_ms + int(settings.session_lease_s * 1000),
+        "lease_expires_ms": adm.created_ms + int(session_lease_s(settings) * 1000),
+        "deadline_ms": adm.created_ms + int(settings.session_max_age_s * 1000),
     }
     return json_response(payload, status=201, headers=info.headers())
 
@@ -112,11 +153,15 @@ async def get_rollout(request: web.Request) -> web.Response:
 
 async def heartbeat(request: web.Request) -> web.Response:
     rollout_id = request.match_info["rollout_id"]
-    await _active_session(request, rollout_id)
+    b = await _active_session(request, rollout_id)
     try:
         expires = await shielded(
-            request.app[STORE].touch(rollout_id, lease_s=request.app[SETTINGS].session_lease_s)
+            request.app[STORE].touch(
+                rollout_id, lease_s=request.app[SETTINGS].session_lease_s, activity=False
+            )
         )
+    except LimitReached as e:
+        raise await _end_at_limit(request, b, e) from e
     except NotFound as e:
         raise _not_active(rollout_id, e.context.get("state")) from e
     return json_response({"rollout_id": rollout_id, "state": "active", "lease_expires_ms": expires})
@@ -146,10 +191,11 @@ async def resolve(
     rollout_id: str,
     constraints: Constraints,
     accept: Callable[[ReplicaRecord], bool] | None,
-) -> tuple[RolloutInfo, ReplicaRecord, Settlement]:
+) -> tuple[RolloutInfo, ReplicaRecord, Settlement, int | None]:
     """Where a request of session ``rollout_id`` goes, after counting it on the binding.
 
-    Returns the binding's provenance, its replica and what to do when the request ends.
+    Returns the binding's provenance, its replica, what to do when the request ends and when
+    the session reaches its maximum age (``deadline_ms``, Redis clock).
     """
     app = request.app
     store, bindings, settings = app[STORE], app[BINDINGS], app[SETTINGS]
@@ -193,6 +239,8 @@ async def resolve(
             replica=b.replica_id,
             state=state,
         )
+    if isinstance(touched, LimitReached):
+        raise await _end_at_limit(request, b, touched) from touched
     if isinstance(touched, NotFound):
         raise _not_active(rollout_id, touched.context.get("state")) from touched
     if isinstance(touched, BaseException):
@@ -217,6 +265,9 @@ async def resolve(
                     lease_s=settings.session_lease_s,
                 )
             )
+        except LimitReached as e:  # ended now, with its reason; the output is withheld
+            await bindings.release(rollout_id, b.replica_id, BindingState.ABORTED, e.reason)
+            return Settled.ENDED_ELSEWHERE
         except NotFound:
             return Settled.ENDED_ELSEWHERE
         except StoreError as e:
@@ -224,7 +275,7 @@ async def resolve(
             return Settled.UNCONFIRMED
         return Settled.CONFIRMED
 
-    return RolloutInfo.of_binding(b), replica, Settlement(settle)
+    return RolloutInfo.of_binding(b), replica, Settlement(settle), b.deadline_ms
 
 
 __all__ = [
@@ -233,4 +284,5 @@ __all__ = [
     "heartbeat",
     "open_session",
     "resolve",
+    "session_lease_s",
 ]

@@ -38,6 +38,27 @@ class RouterSettings(BaseSettings):
     * ``upstream_keepalive_s`` must stay below vLLM's own keep-alive (5 s by default,
       ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), or a pooled connection can be closed by the server
       just as a request is written on it.
+
+    Limits on clients (README "Security and operations"), so that no client can hold a
+    replica's drain or the pool's capacity indefinitely:
+
+    * ``session_max_age_s`` ends a session that long after it opened, heartbeats or not
+      (``aborted``, "session reached its maximum age of ... s"); ``session_idle_s`` ends one
+      that had no request for that long (heartbeats keep its lease, not its activity).
+      Both are kept in Redis, so every router and reaper agrees.
+    * ``client_max_sessions``: open sessions per client identity (``key:<fingerprint>``, or
+      ``anonymous:<address>`` without keys; the admin is exempt), counted in Redis across
+      routers; ``client_max_in_flight``: requests per client identity in flight in *this*
+      router (arrival to last byte, queueing for a replica included); ``session_max_in_flight``:
+      concurrent requests of one session in this router (1: a session counts as one rollout
+      against its replica's capacity, as its binding does). Over any of them → 429 with
+      ``Retry-After``; 0 disables one.
+    * ``request_deadline_s`` bounds a whole request, stream included (504 / an SSE error event;
+      the binding is aborted with the reason); a session's request also ends at the session's
+      maximum age. ``client_write_timeout_s``: a stream the client does not read for that long
+      is ended ("client stopped reading"), its connection closed.
+    * ``max_body_bytes`` caps a request body (413), ``max_upstream_body_bytes`` a replica's
+      whole (non-streamed) answer (502).
     """
 
     model_config = SettingsConfigDict(env_prefix="ROLLOUTPOOL_ROUTER_", extra="ignore")
@@ -53,6 +74,7 @@ class RouterSettings(BaseSettings):
     retry_after_s: int = Field(default=1, ge=0)
     replica_view_ttl_s: float = Field(default=0.25, ge=0)
     max_body_bytes: int = Field(default=4 * MIB, gt=0)
+    max_upstream_body_bytes: int = Field(default=64 * MIB, gt=0)
 
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -63,6 +85,14 @@ class RouterSettings(BaseSettings):
     session_lease_s: float = Field(default=300.0, gt=0)
     request_lease_s: float = Field(default=30.0, gt=0)
     reaper_interval_s: float = Field(default=5.0, gt=0)
+
+    session_max_age_s: float = Field(default=3600.0, gt=0)
+    session_idle_s: float = Field(default=600.0, gt=0)
+    client_max_sessions: int = Field(default=1024, ge=0)
+    client_max_in_flight: int = Field(default=1024, ge=0)
+    session_max_in_flight: int = Field(default=1, ge=0)
+    request_deadline_s: float = Field(default=1800.0, gt=0)
+    client_write_timeout_s: float = Field(default=30.0, gt=0)
 
     rate_limit_per_s: float | None = Field(default=None, gt=0)
     rate_limit_burst: int = Field(default=200, gt=0)

@@ -9,13 +9,14 @@ just as the server closes it).
 is it" from ``GET /v1/models`` and ``GET /version``, fetched once per (replica, url, generation)
 and cached; concurrent requests share one fetch. vLLM names its model by the path it was started
 with, and a replica restarted for recovery may be started from a new path, hence the key.
-A failed fetch is not cached: it raises :class:`~router.errors.UpstreamError` (502) and the next
-request tries again.
+A failed fetch is not cached: it raises :class:`~router.errors.UpstreamError` (502, a message
+without the replica's URL: the details go to the log) and the next request tries again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from router.errors import UpstreamError
 from router.settings import RouterSettings
 
 INFO_TIMEOUT_S = 10.0
+
+log = logging.getLogger("router")
 
 
 def client_session(settings: RouterSettings) -> aiohttp.ClientSession:
@@ -110,8 +113,9 @@ class ReplicaCatalog:
                     )
                 return body
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.warning("replica %s: GET %s failed: %r", r.replica_id, url, e)
             raise UpstreamError(
-                f"replica {r.replica_id}: GET {path} failed ({type(e).__name__}: {e})",
+                f"replica {r.replica_id}: GET {path} failed ({type(e).__name__})",
                 code="upstream_unavailable",
                 replica=r.replica_id,
             ) from e

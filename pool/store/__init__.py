@@ -6,7 +6,8 @@ with its KEYS, ARGV and return value. All keys share the hash tag ``{<namespace>
 Cluster slot holds the whole pool, and every key a script touches arrives through KEYS.
 
 Modules: :mod:`pool.store.scripts` (the Lua), :mod:`pool.store.keys` (key names),
-:mod:`pool.store.lease` (the updater lease, I8) and the :class:`RedisStore` facade.
+:mod:`pool.store.lease` (the updater lease, I8), :mod:`pool.store.terms` (what an admission
+binds: owner, max age, idle limit, session quota) and the :class:`RedisStore` facade.
 
 Keys (``{ns}`` = ``{rp}`` by default)::
 
@@ -16,6 +17,8 @@ Keys (``{ns}`` = ``{rp}`` by default)::
     {ns}:active:<id>           set of rollout ids with an active binding on the replica
     {ns}:binding:<rollout>     hash: the Binding (kept ``binding_retention_s`` after release)
     {ns}:leases                zset rollout id -> lease expiry (ms, Redis clock)
+    {ns}:client:<id>:sessions  set of a client's session ids, for its quota (Terms.quota);
+                               ended ones are pruned when the quota refuses; expires with them
     {ns}:latest                hash: number label identity (the published generation)
     {ns}:generations           hash: number -> GenerationRecord JSON (declared generations)
     {ns}:labels                hash: label -> number (a label names one generation only)
@@ -42,5 +45,6 @@ Concurrency and failure contracts:
 from pool.store._store import Admission, JournalEntry, RedisStore
 from pool.store.keys import Keys
 from pool.store.lease import UpdaterLease
+from pool.store.terms import Terms
 
-__all__ = ["Admission", "JournalEntry", "Keys", "RedisStore", "UpdaterLease"]
+__all__ = ["Admission", "JournalEntry", "Keys", "RedisStore", "Terms", "UpdaterLease"]

@@ -17,6 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pool.errors import (
     AdmissionRefused,
+    LimitReached,
     NotFound,
     StaleFencingToken,
     StoreBusy,
@@ -29,6 +30,7 @@ from pool.settings import StoreSettings
 from pool.store import scripts
 from pool.store.keys import Keys
 from pool.store.lease import UpdaterLease
+from pool.store.terms import NO_TERMS, Terms, limit_reason
 from pool.types import (
     Binding,
     BindingState,
@@ -66,6 +68,10 @@ _POOL_EXHAUSTED = "No connection available."
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+def _int_or_none(raw: str | None) -> int | None:
+    return int(raw) if raw else None
 
 
 class RedisStore:
@@ -149,39 +155,65 @@ class RedisStore:
         generation: int | None = None,
         session: bool = False,
         lease_s: float | None = None,
+        terms: Terms = NO_TERMS,
     ) -> Admission:
         """Bind ``rollout_id`` to ``replica_id`` if I1 holds; raise :class:`AdmissionRefused`.
 
         Checks, atomically: the replica is READY, its generation is within ``max_staleness`` of
-        the published one and meets the constraints, it has capacity, and the rollout id is new.
+        the published one and meets the constraints, it has capacity, the rollout id is new and
+        the client is within its session quota (``terms``; refused as ``client_quota`` only
+        after the client's ended sessions were pruned and the admission tried once more).
         Writes the binding, the active set, the lease and a journal entry together.
         """
         lease_ms = _ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
-        out = await self._script(
-            self._admit,
-            [
-                self.k.replica(replica_id),
-                self.k.active(replica_id),
-                self.k.binding(rollout_id),
-                self.k.leases,
-                self.k.latest,
-                self.k.journal,
-                self.k.gen_admissions,
-            ],
-            [
-                rollout_id,
-                replica_id,
-                lease_ms,
-                max_staleness,
-                -1 if min_generation is None else min_generation,
-                -1 if generation is None else generation,
-                int(session),
-                self._maxlen,
-            ],
-        )
+        keys = [
+            self.k.replica(replica_id),
+            self.k.active(replica_id),
+            self.k.binding(rollout_id),
+            self.k.leases,
+            self.k.latest,
+            self.k.journal,
+            self.k.gen_admissions,
+            self.k.client_sessions(terms.quota_key),
+        ]
+        args = [
+            rollout_id,
+            replica_id,
+            lease_ms,
+            max_staleness,
+            -1 if min_generation is None else min_generation,
+            -1 if generation is None else generation,
+            int(session),
+            self._maxlen,
+            terms.owner,
+            0 if terms.max_age_s is None else _ms(terms.max_age_s),
+            0 if terms.idle_s is None else _ms(terms.idle_s),
+            terms.quota,
+        ]
+        out = await self._script(self._admit, keys, args)
+        if out[0] == "refused" and out[1] == "client_quota" and await self._prune(keys[-1]):
+            out = await self._script(self._admit, keys, args)
         if out[0] != "ok":
             raise AdmissionRefused(out[1], replica=replica_id, detail=out[2] or None)
         return Admission(rollout_id, replica_id, int(out[1]), out[2], out[3], int(out[4]))
+
+    async def _prune(self, sessions_key: str) -> int:
+        """Drop the ended sessions from a client's session set; returns how many."""
+        ids: set[str] = await self._call(lambda: self.r.smembers(sessions_key))
+        order = sorted(ids)
+
+        async def states() -> list[Any]:
+            async with self.r.pipeline(transaction=False) as p:
+                for rid in order:
+                    p.hget(self.k.binding(rid), "state")
+                return list(await p.execute())
+
+        ended = [
+            rid for rid, st in zip(order, await self._call(states), strict=True) if st != "active"
+        ]
+        if ended:
+            await self._call(lambda: self.r.srem(sessions_key, *ended))
+        return len(ended)
 
     async def release(
         self,
@@ -241,17 +273,30 @@ class RedisStore:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         lease_s: float | None = None,
+        activity: bool = True,
     ) -> int:
-        """Extend an active binding's lease (heartbeat) and add request/token counts.
+        """Extend an active binding's lease and add request/token counts. ``activity``: a
+        request starts, runs or ends (resets the idle clock of :class:`Terms`); False for a
+        heartbeat.
 
-        Returns the new expiry (ms). Raises :class:`NotFound` if the binding is not active.
+        Returns the new expiry (ms; never past the binding's max age or idle limit). Raises
+        :class:`LimitReached` if the binding reached one of them (it is left for the caller or
+        the reaper to end) and :class:`NotFound` if the binding is not active.
         """
         lease_ms = _ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
         out = await self._script(
             self._touch,
             [self.k.binding(rollout_id), self.k.leases],
-            [rollout_id, lease_ms, requests, prompt_tokens, completion_tokens],
+            [rollout_id, lease_ms, requests, prompt_tokens, completion_tokens, int(activity)],
         )
+        if out[0] == "limit":
+            reason = limit_reason(out[1], int(out[2]))
+            raise LimitReached(
+                f"rollout {rollout_id}: {reason}",
+                reason=reason,
+                rollout_id=rollout_id,
+                state="active",
+            )
         if out[0] != "ok":
             raise NotFound(
                 f"rollout {rollout_id} is not active ({out[1] or 'unknown'})",
@@ -263,8 +308,10 @@ class RedisStore:
     async def renew(self, leases: dict[str, float], *, chunk: int = 256) -> set[str]:
         """Extend many bindings' leases (rollout id -> lease seconds) in pipelined chunks of
         ``chunk`` TOUCH scripts: one round trip per chunk however many rollouts are in flight.
-        Returns the ids that are no longer active (nothing to renew). A StoreError leaves the
-        remaining chunks unrenewed; renewing is idempotent, so the caller retries next tick."""
+        Each is a running request (it resets the idle clock). Returns the ids that are no longer
+        active or reached a limit of their :class:`Terms` (nothing to renew). A StoreError
+        leaves the remaining chunks unrenewed; renewing is idempotent, so the caller retries
+        next tick."""
         gone: set[str] = set()
         items = list(leases.items())
         for start in range(0, len(items), chunk):
@@ -275,7 +322,7 @@ class RedisStore:
                     for rid, lease_s in part:
                         await self._touch(
                             keys=[self.k.binding(rid), self.k.leases],
-                            args=[rid, _ms(lease_s), 0, 0, 0],
+                            args=[rid, _ms(lease_s), 0, 0, 0, 1],
                             client=p,
                         )
                     return list(await p.execute())
@@ -290,7 +337,8 @@ class RedisStore:
 
         Safe to run from many processes at once: each binding is released exactly once. The
         expiry is checked again inside the release script, so a binding whose lease a heartbeat
-        renewed after the scan is left alone.
+        renewed after the scan is left alone. The reason is "lease expired", or the limit of its
+        :class:`Terms` it reached (its lease cannot have been renewed past that).
         """
         now_s, now_us = await self._call(self.r.time)
         now_ms = int(now_s) * 1000 + int(now_us) // 1000
@@ -298,17 +346,25 @@ class RedisStore:
             lambda: self.r.zrangebyscore(self.k.leases, "-inf", now_ms, start=0, num=limit)
         )
         reaped: list[str] = []
+        fields = ("replica_id", "created_ms", "deadline_ms", "idle_limit_ms", "last_request_ms")
         for rid in ids:
             key = self.k.binding(rid)
-            replica = await self._call(partial(self.r.hget, key, "replica_id"))
+            replica, created, deadline, idle, last = await self._call(
+                partial(self.r.hmget, key, fields)
+            )
             if replica is None:
                 await self._call(partial(self.r.zrem, self.k.leases, rid))
                 continue
+            reason = "lease expired"
+            if deadline is not None and now_ms >= int(deadline):
+                reason = limit_reason("max_age", int(deadline) - int(created))
+            elif idle is not None and now_ms >= int(last) + int(idle):
+                reason = limit_reason("idle", int(idle))
             if await self.release(
                 rid,
                 str(replica),
                 BindingState.ABORTED,
-                reason="lease expired",
+                reason=reason,
                 only_if_expired=True,
             ):
                 reaped.append(rid)
@@ -556,6 +612,10 @@ class RedisStore:
             completion_tokens=int(h.get("completion_tokens", 0)),
             requests=int(h.get("requests", 0)),
             reason=h.get("reason", ""),
+            client=h.get("client", ""),
+            deadline_ms=_int_or_none(h.get("deadline_ms")),
+            idle_limit_ms=_int_or_none(h.get("idle_limit_ms")),
+            last_request_ms=_int_or_none(h.get("last_request_ms")),
         )
 
     async def journal(

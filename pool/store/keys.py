@@ -30,3 +30,6 @@ class Keys:
 
     def binding(self, rollout_id: str) -> str:
         return f"{self.p}:binding:{rollout_id}"
+
+    def client_sessions(self, client: str) -> str:
+        return f"{self.p}:client:{client}:sessions"

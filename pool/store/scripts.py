@@ -15,11 +15,15 @@ end
 
 # ADMIT — bind a rollout to a replica if I1 holds, in one step.
 # KEYS[1] replica hash  KEYS[2] active set  KEYS[3] binding  KEYS[4] leases  KEYS[5] latest
-# KEYS[6] journal  KEYS[7] per-generation admission counts
+# KEYS[6] journal  KEYS[7] per-generation admission counts  KEYS[8] the client's open sessions
 # ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] lease ttl ms  ARGV[4] max_staleness
 # ARGV[5] min_generation (-1: none)  ARGV[6] exact generation (-1: none)  ARGV[7] session 0|1
-# ARGV[8] journal maxlen
+# ARGV[8] journal maxlen  ARGV[9] owner ('' = anyone)  ARGV[10] max age ms (0: none)
+# ARGV[11] idle limit ms (0: none)  ARGV[12] open sessions the client may have (0: no quota)
 # Returns {'ok', generation, label, identity, now} | {'refused', reason, detail}
+# The lease never runs past the max age or the idle limit (TOUCH keeps it so), so a binding that
+# reaches either expires and the reaper ends it. With a quota, KEYS[8] holds the client's session
+# ids (ended ones are pruned by the caller when the quota refuses).
 ADMIT = (
     PRELUDE
     + """
@@ -37,12 +41,27 @@ if exact >= 0 and g ~= exact then return {'refused', 'generation_mismatch', tost
 if redis.call('SCARD', KEYS[2]) >= tonumber(r[5]) then
   return {'refused', 'at_capacity', r[5]}
 end
+local quota = tonumber(ARGV[12])
+if quota > 0 and redis.call('SCARD', KEYS[8]) >= quota then
+  return {'refused', 'client_quota', ARGV[12]}
+end
+local exp = now + tonumber(ARGV[3])
+local max_age, idle = tonumber(ARGV[10]), tonumber(ARGV[11])
+if max_age > 0 then exp = math.min(exp, now + max_age) end
+if idle > 0 then exp = math.min(exp, now + idle) end
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[3], 'rollout_id', ARGV[1], 'replica_id', ARGV[2], 'generation', r[2],
   'label', r[3], 'identity_digest', r[4], 'state', 'active', 'session', ARGV[7],
-  'created_ms', now, 'lease_expires_ms', now + tonumber(ARGV[3]), 'requests', 0,
+  'created_ms', now, 'lease_expires_ms', exp, 'requests', 0,
   'prompt_tokens', 0, 'completion_tokens', 0)
-redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], 'client', ARGV[9]) end
+if max_age > 0 then redis.call('HSET', KEYS[3], 'deadline_ms', now + max_age) end
+if idle > 0 then redis.call('HSET', KEYS[3], 'idle_limit_ms', idle, 'last_request_ms', now) end
+if quota > 0 then
+  redis.call('SADD', KEYS[8], ARGV[1])
+  redis.call('PEXPIRE', KEYS[8], math.max(max_age, tonumber(ARGV[3])) + 60000)
+end
+redis.call('ZADD', KEYS[4], exp, ARGV[1])
 redis.call('HINCRBY', KEYS[7], r[2], 1)
 journal(KEYS[6], ARGV[8], 'type', 'admit', 'rollout', ARGV[1], 'replica', ARGV[2],
   'generation', r[2])
@@ -85,14 +104,33 @@ return {'ok'}
 # TOUCH — a request of an active binding: extend its lease, count the request and its tokens.
 # KEYS[1] binding  KEYS[2] leases
 # ARGV[1] rollout id  ARGV[2] lease ttl ms  ARGV[3] requests added  ARGV[4] prompt tokens added
-# ARGV[5] completion tokens added
-# Returns {'ok', expires_ms} | {'gone', state-or-''}
+# ARGV[5] completion tokens added  ARGV[6] 1: a request starts, runs or ends (resets the idle
+# clock), 0: a heartbeat (does not)
+# Returns {'ok', expires_ms} | {'gone', state-or-''} | {'limit', 'max_age'|'idle', limit ms}
+# The lease is extended up to the binding's deadline and idle limit, never past them; a binding
+# that has reached either is not touched ('limit': the caller or the reaper ends it).
 TOUCH = (
     PRELUDE
     + """
-local s = redis.call('HGET', KEYS[1], 'state')
-if s ~= 'active' then return {'gone', s or ''} end
+local b = redis.call('HMGET', KEYS[1], 'state', 'deadline_ms', 'created_ms', 'idle_limit_ms',
+  'last_request_ms')
+if b[1] ~= 'active' then return {'gone', b[1] or ''} end
+local deadline = tonumber(b[2])
+if deadline and now >= deadline then
+  return {'limit', 'max_age', tostring(deadline - tonumber(b[3]))}
+end
+local idle = tonumber(b[4])
+if idle and now >= tonumber(b[5]) + idle then return {'limit', 'idle', b[4]} end
 local exp = now + tonumber(ARGV[2])
+if deadline then exp = math.min(exp, deadline) end
+if idle then
+  if ARGV[6] == '1' then
+    redis.call('HSET', KEYS[1], 'last_request_ms', now)
+    exp = math.min(exp, now + idle)
+  else
+    exp = math.min(exp, tonumber(b[5]) + idle)
+  end
+end
 redis.call('ZADD', KEYS[2], 'XX', exp, ARGV[1])
 redis.call('HSET', KEYS[1], 'lease_expires_ms', exp)
 redis.call('HINCRBY', KEYS[1], 'requests', tonumber(ARGV[3]))

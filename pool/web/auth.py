@@ -2,21 +2,27 @@
 
 An :class:`AuthPolicy` sorts every path into one of three classes:
 
-* **public** — served to anyone (probes, scrapes, the OpenAPI document, ...).
+* **public** — served to anyone (probes, scrapes, the OpenAPI document, ...). A public path
+  called with the admin token is identified as ``admin`` (any other token is ignored), so a
+  public route may show the admin more (``/v1/pool`` shows replica URLs only to the admin).
 * **admin** — paths under one of ``admin_prefixes``. Needs ``Authorization: Bearer
   <admin_token>``. No bearer header → 401 ``unauthorized`` with ``WWW-Authenticate: Bearer``;
   no admin token configured → 403 ``admin_disabled``; any other token, client keys included →
   403 ``forbidden``. Checked before routing, so an unknown admin path is refused too.
 * **client** — everything else. With client keys configured, the bearer token must be one of
-  them or the admin token, else 401 ``unauthorized``. With none configured, anyone may call.
+  them or the admin token, else 401 ``unauthorized``. With none configured, anyone may call
+  (the admin token still identifies the admin).
 
 Tokens are compared with :func:`hmac.compare_digest` against *every* configured secret (no
-early exit), and never logged. The authenticated identity (``key:<n>``, ``admin`` or
-``anonymous:<peer>``) is stored in ``request[CLIENT]`` (a rate limiter keys on it).
+early exit), and never logged. The authenticated identity is stored in ``request[CLIENT]``:
+``key:<fingerprint>`` (the first 16 hex digits of the key's SHA-256: stable across routers,
+key order and rotation, and not the key), ``admin`` or ``anonymous:<peer>``. The rate limit,
+the client quotas and the owner of a rollout session key on it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +71,11 @@ def auth_middleware(policy: AuthPolicy) -> Middleware:
     """The middleware enforcing ``policy`` (see the module docstring)."""
     keys = [k.get_secret_value().encode() for k in policy.api_keys]
     admin = [policy.admin_token.get_secret_value().encode()] if policy.admin_token else []
+    names = [f"key:{hashlib.sha256(k).hexdigest()[:16]}" for k in keys]
+
+    def is_admin(request: web.Request) -> bool:
+        token = bearer_token(request)
+        return bool(admin) and token is not None and _match(token.encode(), admin) is not None
 
     def identify(request: web.Request) -> str:
         """The caller of a non-public path; raises 401/403 per the rules."""
@@ -82,18 +93,20 @@ def auth_middleware(policy: AuthPolicy) -> Middleware:
                 raise Forbidden("this token may not use the admin API")
             return "admin"
         if not keys:
-            return f"anonymous:{request.remote or '-'}"
+            return "admin" if is_admin(request) else f"anonymous:{request.remote or '-'}"
         if token is None:
             raise Unauthorized("API key required (Authorization: Bearer ...)")
         index = _match(raw, keys + admin)
         if index is None:
             raise Unauthorized("invalid API key")
-        return f"key:{index}" if index < len(keys) else "admin"
+        return names[index] if index < len(keys) else "admin"
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in policy.public:
             request[CLIENT] = identify(request)
+        elif is_admin(request):
+            request[CLIENT] = "admin"
         return await handler(request)
 
     return auth

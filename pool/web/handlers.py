@@ -6,10 +6,12 @@ it). A service sets all three (the store in a cleanup context, while the app run
 
 * ``GET /healthz`` — 200 ``{"status": "ok", ...}`` if Redis answers PING and the service's own
   readiness (if any) says so; else 503 ``{"status": "unavailable" | "starting", "error": {...}}``.
-* ``GET /metrics`` — Prometheus text; the pool gauges are refreshed from the store on each
-  scrape (skipped, not failed, while Redis is down).
+* ``GET /metrics`` — Prometheus text; the pool gauges and Redis's memory (used, maxmemory) are
+  refreshed from the store on each scrape (skipped, not failed, while Redis is down:
+  ``rolloutpool_redis_up`` says so).
 * ``GET /v1/pool`` — :class:`PoolView`, read from the store: the published generation, the
-  admissible staleness and every replica.
+  admissible staleness and every replica. Replica URLs (a dev-mode vLLM server's control
+  routes are unauthenticated) are shown only to the admin token, ``null`` otherwise.
 * ``GET /openapi.json`` — the service's document.
 """
 
@@ -22,12 +24,13 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pool.errors import StoreError
 from pool.metrics import PoolGauges
 from pool.store import RedisStore
 from pool.types import ReplicaState
+from pool.web.auth import CLIENT
 from pool.web.responses import json_response
 
 log = logging.getLogger("pool.web")
@@ -51,7 +54,7 @@ class ReplicaSummary(BaseModel):
     identity_digest: str | None
     active: int
     capacity: int
-    url: str
+    url: str | None = Field(description="the replica's URL; null unless the admin token is used")
     reason: str
     updated_ms: int
 
@@ -64,8 +67,9 @@ class PoolView(BaseModel):
     replicas: list[ReplicaSummary]
 
 
-async def read_pool_view(store: RedisStore, max_staleness: int) -> PoolView:
-    """The pool as the store has it now (not a cached view). Raises ``StoreUnavailable``."""
+async def read_pool_view(store: RedisStore, max_staleness: int, *, urls: bool) -> PoolView:
+    """The pool as the store has it now (not a cached view); replica URLs only with ``urls``.
+    Raises ``StoreUnavailable``."""
     replicas = await store.replicas()
     latest = await store.latest()
     return PoolView(
@@ -75,13 +79,17 @@ async def read_pool_view(store: RedisStore, max_staleness: int) -> PoolView:
             generation=latest[0].number, label=latest[0].label, identity_digest=latest[1]
         ),
         max_staleness=max_staleness,
-        replicas=[ReplicaSummary.model_validate(r, from_attributes=True) for r in replicas],
+        replicas=[
+            ReplicaSummary.model_validate({**r.model_dump(), "url": r.url if urls else None})
+            for r in replicas
+        ],
     )
 
 
 def pool_handler(max_staleness: int) -> Handler:
     async def pool(request: web.Request) -> web.Response:
-        view = await read_pool_view(request.app[STORE], max_staleness)
+        admin = request.get(CLIENT) == "admin"
+        view = await read_pool_view(request.app[STORE], max_staleness, urls=admin)
         return json_response(view.model_dump(mode="json"))
 
     return pool
@@ -110,12 +118,20 @@ def healthz_handler(readiness: Readiness | None = None) -> Handler:
 def metrics_handler() -> Handler:
     async def metrics(request: web.Request) -> web.Response:
         app = request.app
+        gauges, store = app[POOL_GAUGES], app[STORE]
         try:
-            replicas = await app[STORE].replicas()
-            latest = await app[STORE].latest()
-            app[POOL_GAUGES].observe(replicas, latest[0].number if latest else None)
+            replicas = await store.replicas()
+            latest = await store.latest()
+            gauges.observe(replicas, latest[0].number if latest else None)
+            gauges.redis_up.set(1)
         except StoreError as e:
+            gauges.redis_up.set(0)
             log.warning("metrics: pool gauges not refreshed: %s", e.message)
+        else:
+            try:  # a separate step: an ACL user may be refused INFO while Redis is fine
+                gauges.observe_redis(*await store.memory())
+            except StoreError as e:
+                log.warning("metrics: Redis memory not refreshed: %s", e.message)
         return web.Response(
             body=generate_latest(app[REGISTRY]), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

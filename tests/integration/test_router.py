@@ -376,6 +376,57 @@ async def test_client_disconnect_aborts_the_generation(live: Live) -> None:
     assert 1 <= produced < 400
 
 
+async def test_request_deadline_aborts_the_generation(
+    live: Live, redis_server: RedisServer
+) -> None:
+    """Issue 11: a request's whole time is bounded (request_deadline_s), not only the replica's
+    silence. At the deadline the binding is aborted with the reason and the real vLLM server
+    stops generating (the router closes the upstream connection)."""
+    settings = RouterSettings(api_keys=[KEY], port=0, request_deadline_s=0.5, admission_wait_s=30.0)
+    ns = live.store.settings.namespace
+    router = await serve_router(settings, StoreSettings(url=redis_server.url, namespace=ns))
+    body = {"model": "rolloutpool", "prompt": "go on", "max_tokens": 480, "ignore_eos": True}
+    try:
+        for stream in (False, True):
+            before = {rid: await _replica_tokens(live, rid) for rid in IDS}
+            async with live.http.post(
+                f"{router.url}/v1/completions", json={**body, "stream": stream}
+            ) as r:
+                rid, replica = r.headers["X-Rollout-Id"], r.headers["X-Rollout-Replica"]
+                text = await r.text()
+            if stream:
+                assert r.status == 200 and '"code":"deadline_exceeded"' in text
+                assert "[DONE]" not in text
+            else:
+                assert r.status == 504 and '"code":"deadline_exceeded"' in text
+            b = await settled(live.store, rid)
+            assert (b.state, b.reason) == (
+                BindingState.ABORTED,
+                "request deadline of 0.5 s exceeded",
+            )
+            await _until_idle(live, replica)
+            produced = await _replica_tokens(live, replica) - before[replica]
+            print(f"\n[measure] stream={stream}: {produced:.0f} of 480 tokens before the deadline")
+            assert produced < 480
+    finally:
+        await router.stop()
+
+
+async def _replica_tokens(live: Live, replica: str) -> float:
+    async with live.http.get(f"{live.replicas[replica].url}/metrics") as r:
+        return _generated_tokens(await r.text())
+
+
+async def _until_idle(live: Live, replica: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = await live.engines[replica].metrics()
+        if m.requests_running == 0 and m.requests_waiting == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{replica} still generates after the deadline")
+
+
 async def test_pool_is_clean_at_the_end(live: Live) -> None:
     """Last: nothing active or leased is left, and the pool endpoint agrees with the store."""
     async with live.http.get(f"{live.url}/v1/pool") as r:

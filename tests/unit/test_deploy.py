@@ -247,6 +247,7 @@ def test_every_yaml_and_json_file_parses() -> None:
         "docker-compose.yml",
         "updater.yaml",
         "prometheus/prometheus.yml",
+        "prometheus/alerts.yml",
         "grafana/rolloutpool.json",
         "grafana/provisioning/datasources/prometheus.yml",
         "grafana/provisioning/dashboards/rolloutpool.yml",
@@ -681,6 +682,48 @@ def test_k8s_prometheus_discovers_every_component(k8s: list[dict[str, Any]]) -> 
     assert any(r.get("target_label") == "replica" for r in vllm_job["relabel_configs"])
 
 
+def _alert_rules(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in doc["groups"] for r in g["rules"]}
+
+
+def test_redis_alerts_are_loaded_everywhere(
+    compose: dict[str, Any], k8s: list[dict[str, Any]]
+) -> None:
+    """Issue 11: Redis filled up with nobody told. Alert rules on its memory and reachability
+    exist, are loaded by both Prometheus configs, and are the same rules in both."""
+    (rules,) = load_yaml(DEPLOY / "prometheus" / "alerts.yml")
+    (cfg,) = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    assert cfg["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    prom = compose["services"]["prometheus"]
+    (mount,) = [m for m in mounts(prom) if m["target"] == "/etc/prometheus/alerts.yml"]
+    assert mount["source"] == "./prometheus/alerts.yml" and mount["read_only"] is True
+
+    cm = k8s_obj(k8s, "ConfigMap", "prometheus-config")["data"]
+    assert parse_yaml(cm["prometheus.yml"])["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    assert parse_yaml(cm["alerts.yml"]) == rules
+    (container,) = k8s_obj(k8s, "Deployment", "prometheus")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert {"mountPath": "/etc/prometheus", "name": "config", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+
+    alerts = _alert_rules(rules)
+    memory, down = alerts["RolloutPoolRedisMemoryHigh"], alerts["RolloutPoolRedisUnreachable"]
+    assert promql_metric_names(memory["expr"]) == {
+        "rolloutpool_redis_used_memory_bytes",
+        "rolloutpool_redis_maxmemory_bytes",
+    }
+    assert memory["expr"].rstrip().endswith("> 0.8") and memory["for"] == "5m"
+    assert "> 0)" in memory["expr"]  # a Redis without maxmemory (0) must not divide by zero
+    assert promql_metric_names(down["expr"]) == {"rolloutpool_redis_up"}
+    known = exposed_metric_names()
+    for name, rule in alerts.items():
+        assert promql_metric_names(rule["expr"]) <= known, name
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
 # ------------------------------------------------------------------------------------ grafana
 
 
@@ -720,6 +763,9 @@ def test_dashboard_uses_only_exported_metrics(dashboard: dict[str, Any]) -> None
         "rolloutpool_taints_total",
         "rolloutpool_recoveries_total",
         "rolloutpool_violations_total",
+        "rolloutpool_redis_used_memory_bytes",
+        "rolloutpool_redis_maxmemory_bytes",
+        "rolloutpool_redis_up",
     } <= used
 
 

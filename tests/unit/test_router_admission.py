@@ -273,6 +273,24 @@ async def test_unsatisfiable_generation_is_409(
     assert await store.leased_rollouts() == 0
 
 
+async def test_a_generation_published_a_moment_ago_is_not_unsatisfiable(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): X-Rollout-Min-Generation equal to a generation published a
+    moment ago got 409 from the cached view; unsatisfiability is judged on fresh state."""
+    await publish_ready(store, [("r0", DEAD)])
+    async with router_client(settings(replica_view_ttl_s=60), store_settings) as c:
+        r = await c.post("/v1/completions", json=BODY)  # the view is cached: g0 published
+        assert r.status == 502 and r.headers["X-Rollout-Generation"] == "0"
+        await publish_ready(store, [("r1", DEAD)], generation=Generation(number=1, label="g1"))
+        r = await c.post("/v1/completions", json=BODY, headers={"X-Rollout-Min-Generation": "1"})
+        assert r.status == 502, await r.text()  # admitted (then the dead upstream)
+        assert r.headers["X-Rollout-Generation"] == "1" and r.headers["X-Rollout-Replica"] == "r1"
+        r = await c.post("/v1/completions", json=BODY, headers={"X-Rollout-Min-Generation": "2"})
+        assert r.status == 409  # still unsatisfiable on fresh state
+    assert await store.leased_rollouts() == 0
+
+
 async def test_admitted_then_upstream_unreachable_is_502_and_aborted(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:

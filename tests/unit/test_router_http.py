@@ -95,11 +95,19 @@ async def test_admin_routes_refuse_client_keys(
         assert r.status == 403 and (await r.json())["error"]["code"] == "admin_disabled"
 
 
-async def test_no_keys_configured_means_open_data_plane(store_settings: StoreSettings) -> None:
+async def test_no_keys_configured_means_open_data_plane(
+    store_settings: StoreSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with router_client(settings(), store_settings):
+        pass
+    assert "anonymous mode" not in caplog.text
     async with router_client(settings(api_keys=[]), store_settings) as c:
         r = await c.get("/v1/models")
         assert r.status == 200
         assert (await r.json())["data"][0]["id"] == "rolloutpool"
+    # audit finding (issue 11): anonymous mode started without a word
+    (warning,) = [r for r in caplog.records if "anonymous mode" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
 
 
 @pytest.mark.parametrize("method,path", CONTROL_ROUTES)
@@ -168,6 +176,22 @@ async def test_bad_bodies_are_400_and_oversized_413(store_settings: StoreSetting
         assert r.status == 409 and (await r.json())["error"]["code"] == "generation_unsatisfiable"
 
 
+async def test_fields_the_router_acts_on_are_typed(store_settings: StoreSettings) -> None:
+    """Audit finding (issue 11): ``"stream": "true"`` was forwarded, vLLM streamed, and the
+    router buffered the stream as one body (no cap) and then answered 502."""
+    async with router_client(settings(), store_settings) as c:
+        for field, value in [
+            ("stream", "true"),
+            ("stream", 1),
+            ("stream_options", "usage"),
+            ("stream_options", [1]),
+        ]:
+            r = await c.post("/v1/completions", json={**COMPLETION, field: value}, headers=AUTH)
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["code"] == "invalid_body", (field, value)
+            assert field in err["message"]
+
+
 async def test_unknown_model_is_404(store_settings: StoreSettings) -> None:
     async with router_client(settings(), store_settings) as c:
         r = await c.post("/v1/completions", json={**COMPLETION, "model": "gpt-4"}, headers=AUTH)
@@ -226,7 +250,24 @@ async def test_pool_view(store_settings: StoreSettings, store: RedisStore) -> No
             (x["replica_id"], x["state"], x["generation"], x["label"], x["active"])
             for x in body["replicas"]
         ] == [("r0", "READY", 0, "g0", 0), ("r1", "READY", 0, "g0", 0)]
-        assert body["replicas"][1]["url"] == "http://127.0.0.1:2"
+        # audit finding (issue 11): replica URLs (dev-mode vLLM, unauthenticated control
+        # routes) were shown to every client; only the admin token sees them now
+        assert [x["url"] for x in body["replicas"]] == [None, None]
+        r = await c.get("/v1/pool", headers=ADMIN_AUTH)
+        urls = [x["url"] for x in (await r.json())["replicas"]]
+        assert urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+async def test_upstream_failures_do_not_show_replica_urls(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): a 502 carried the replica's URL (aiohttp's error text)."""
+    await publish_ready(store, [("r0", "http://127.0.0.1:1")])
+    async with router_client(settings(), store_settings) as c:
+        r = await c.post("/v1/completions", json=COMPLETION, headers=AUTH)
+        text = await r.text()
+    assert r.status == 502 and (await r.json())["error"]["replica"] == "r0"
+    assert "127.0.0.1" not in text and ":1" not in text.replace('"r0"', "")
 
 
 async def test_dashboard_is_public_html(store_settings: StoreSettings, store: RedisStore) -> None:

@@ -175,3 +175,112 @@ async def test_reaper_aborts_a_killed_routers_request(
     assert (await store.binding("ro-alive")).state is BindingState.ACTIVE
     assert await store.active_rollouts("r0") == {"ro-alive"}
     await store.release("ro-alive", "r0")
+
+
+KEY_A, KEY_B, ADMIN = "key-A-1111", "key-B-2222", "adm-3333"
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def heartbeat_until_refused(c: Any, rid: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Heartbeat (as a well-behaved client would) until the router refuses; that answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = await c.post(f"/v1/rollouts/{rid}/heartbeat")
+        if r.status != 200:
+            assert r.status == 409, await r.text()
+            return (await r.json())["error"]  # type: ignore[no-any-return]
+        await asyncio.sleep(0.05)
+    raise AssertionError("the session outlived its limit")
+
+
+async def test_a_heartbeating_session_ends_at_its_max_age(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): a heartbeating session never ended (and kept a replica
+    DRAINING under drain_policy wait). It ends at session_max_age_s, with the reason."""
+    await publish_ready(store, [("r0", DEAD)])
+    s = settings(session_max_age_s=0.5, reaper_interval_s=0.05)
+    async with router_client(s, store_settings) as c:
+        t0 = time.monotonic()
+        opened = await (await c.post("/v1/rollouts")).json()
+        assert opened["deadline_ms"] - opened["lease_expires_ms"] == 0  # lease capped by age
+        err = await heartbeat_until_refused(c, opened["rollout_id"])
+        assert time.monotonic() - t0 >= 0.5
+    reason = "session reached its maximum age of 0.5 s"
+    assert err["code"] == "rollout_not_active" and err["reason"] == reason
+    b = await store.binding(opened["rollout_id"])
+    assert (b.state, b.reason) == (BindingState.ABORTED, reason)
+    assert await store.leased_rollouts() == 0
+
+
+async def test_a_session_that_only_heartbeats_ends_at_its_idle_limit(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    await publish_ready(store, [("r0", DEAD)])
+    s = settings(session_idle_s=0.4, reaper_interval_s=0.05)
+    async with router_client(s, store_settings) as c:
+        rid = (await (await c.post("/v1/rollouts")).json())["rollout_id"]
+        err = await heartbeat_until_refused(c, rid)
+    reason = "session idle: no request for 0.4 s"
+    assert err["reason"] == reason
+    assert (await store.binding(rid)).reason == reason
+    assert await store.leased_rollouts() == 0
+
+
+async def test_sessions_belong_to_the_client_that_opened_them(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): any client that knew a session's id could use, read or close
+    it. Another client is told it does not exist; the admin token may read it."""
+    await publish_ready(store, [("r0", DEAD)])
+    s = settings(api_keys=[KEY_A, KEY_B], admin_token=ADMIN)
+    async with router_client(s, store_settings) as c:
+        rid = (await (await c.post("/v1/rollouts", headers=auth(KEY_A))).json())["rollout_id"]
+        single = await c.post("/v1/completions", json=BODY, headers=auth(KEY_A))
+        assert single.status == 502  # admitted, then the dead upstream
+        one = single.headers["X-Rollout-Id"]
+        for method, path, body, headers in [
+            ("GET", f"/v1/rollouts/{rid}", None, {}),
+            ("GET", f"/v1/rollouts/{one}", None, {}),
+            ("POST", f"/v1/rollouts/{rid}/heartbeat", None, {}),
+            ("POST", f"/v1/rollouts/{rid}/close", None, {}),
+            ("POST", "/v1/completions", BODY, {"X-Rollout-Id": rid}),
+        ]:
+            r = await c.request(method, path, json=body, headers={**auth(KEY_B), **headers})
+            assert r.status == 404, path
+            assert (await r.json())["error"]["code"] == "rollout_not_found"
+        b = await store.binding(rid)
+        assert b.state is BindingState.ACTIVE and b.requests == 0 and b.client.startswith("key:")
+        r = await c.get(f"/v1/rollouts/{rid}", headers=auth(ADMIN))
+        assert r.status == 200 and (await r.json())["client"] == b.client
+        assert (await c.post(f"/v1/rollouts/{rid}/heartbeat", headers=auth(KEY_A))).status == 200
+        assert (await c.post(f"/v1/rollouts/{rid}/close", headers=auth(KEY_A))).status == 200
+    assert await store.leased_rollouts() == 0
+
+
+async def test_a_clients_open_sessions_are_capped(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): no per-client quota. Over client_max_sessions → 429."""
+    await publish_ready(store, [("r0", DEAD)])
+    s = settings(api_keys=[KEY_A, KEY_B], admin_token=ADMIN, client_max_sessions=2)
+    async with router_client(s, store_settings) as c:
+        ids = [
+            (await (await c.post("/v1/rollouts", headers=auth(KEY_A))).json())["rollout_id"]
+            for _ in range(2)
+        ]
+        r = await c.post("/v1/rollouts", headers=auth(KEY_A))
+        assert r.status == 429 and r.headers["Retry-After"] == "1"
+        err = (await r.json())["error"]
+        assert err["code"] == "client_sessions" and err["limit"] == 2
+        assert "client_max_sessions" in err["message"]
+        assert (await c.post("/v1/rollouts", headers=auth(KEY_B))).status == 201
+        assert (await c.post("/v1/rollouts", headers=auth(ADMIN))).status == 201  # exempt
+        assert (await c.post(f"/v1/rollouts/{ids[0]}/close", headers=auth(KEY_A))).status == 200
+        assert (await c.post("/v1/rollouts", headers=auth(KEY_A))).status == 201
+        metrics = await (await c.get("/metrics")).text()
+    assert 'rolloutpool_admission_refusals_total{reason="client_sessions"} 1.0' in metrics
+    await store.abort_active("r0", "test over")

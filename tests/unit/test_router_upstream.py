@@ -110,12 +110,23 @@ class FakeVllm:
                 },
                 status=self.status,
             )
+        if self.mode == "big":  # with a Content-Length
+            return web.json_response({**self.completion(body), "pad": "x" * 4096})
+        if self.mode == "big_chunked":  # without one
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            await resp.write(b'{"pad": "')
+            for _ in range(8):
+                await resp.write(b"x" * 512)
+            await resp.write(b'"}')
+            await resp.write_eof()
+            return resp
         if self.mode == "drop":
             assert request.transport is not None
             request.transport.abort()
             await asyncio.sleep(1)
             return web.Response()
-        if self.mode in ("stream", "stream_drop", "slow_stream"):
+        if self.mode in ("stream", "stream_drop", "slow_stream", "flood"):
             return await self._stream(request, body)
         raise AssertionError(self.mode)
 
@@ -141,6 +152,10 @@ class FakeVllm:
             for i in range(400):
                 await event(chunk([i], None))
                 await asyncio.sleep(0.025)
+        if self.mode == "flood":  # 64 KiB events as fast as they are taken: up to 256 MiB
+            big = {"id": "cmpl-s", "choices": [{"index": 0, "text": "x" * 65536}]}
+            for _ in range(4096):
+                await event(big)
         await event(chunk([1], None))
         await event(chunk([2], None))
         if self.mode == "stream_drop":
@@ -338,6 +353,7 @@ async def test_upstream_errors_abort_the_binding(
         assert r.status == 502
         err = (await r.json())["error"]
         assert err["code"] == "upstream_error" and err["upstream_status"] == 500
+        assert "upstream_body" not in err  # the replica's text goes to the log
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (BindingState.ABORTED, "upstream 5xx: HTTP 500")
 
@@ -356,6 +372,7 @@ async def test_upstream_errors_abort_the_binding(
         r = await c.post("/v1/completions", json=req)
         assert r.status == 502
         assert (await r.json())["error"]["code"] == "upstream_unavailable"
+        assert url.split("//")[1] not in await r.text()  # no replica URL (issue 11)
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert b.state is BindingState.ABORTED and "connection" in b.reason
 
@@ -367,6 +384,29 @@ async def test_upstream_errors_abort_the_binding(
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert b.state is BindingState.ABORTED and "connection lost" in b.reason
     assert (await store.replica("r0")).state is ReplicaState.READY  # errors never taint
+    await no_leaks(store)
+
+
+async def test_buffered_upstream_bodies_are_capped(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): a whole (non-streamed) upstream answer was read without a cap."""
+    f, url = fake
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(max_upstream_body_bytes=1024), store_settings) as c:
+        for mode in ("big", "big_chunked"):
+            f.mode = mode
+            r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+            assert r.status == 502, mode
+            assert (await r.json())["error"]["code"] == "upstream_error"
+            b = await settled(store, r.headers["X-Rollout-Id"])
+            assert (b.state, b.reason) == (
+                BindingState.ABORTED,
+                "upstream body larger than 1024 bytes",
+            )
+        f.mode = "ok"  # a body within the cap passes
+        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        assert r.status == 200
     await no_leaks(store)
 
 
@@ -573,6 +613,44 @@ async def test_output_is_withheld_when_the_binding_ends_under_the_request(
     await no_leaks(store)
 
 
+async def test_spans_after_the_binding_ended_do_not_taint(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): the proxy tainted the replica before settling, so spans of the
+    next generation on a request whose binding the updater had already aborted (drain deadline,
+    then a legitimate weight change) took a healthy replica out of service."""
+    f, url = fake
+    f.delay_s = 0.3
+    f.spans = [{"version": "g1", "start": 0, "end": 3}]  # the weights the updater loaded next
+    await publish_ready(store, [("r0", url)])
+    req = {"model": "rolloutpool", "prompt": "p"}
+    async with router_client(settings(), store_settings) as c:
+
+        async def abort_when_received() -> list[str]:
+            await asyncio.wait_for(f.received.wait(), 5)
+            f.received.clear()
+            return await store.abort_active("r0", "drain deadline")
+
+        for body in (req, {**req, "stream": True}):
+            f.mode = "stream" if body.get("stream") else "ok"
+            answer, aborted = await asyncio.gather(
+                c.post("/v1/completions", json=body), abort_when_received()
+            )
+            assert aborted == [answer.headers["X-Rollout-Id"]]
+            if body.get("stream"):
+                events = await sse(answer)
+                assert events[-1]["error"]["code"] == "binding_ended"
+            else:
+                assert answer.status == 503
+                assert (await answer.json())["error"]["code"] == "binding_ended"
+            b = await store.binding(answer.headers["X-Rollout-Id"])
+            assert (b.state, b.reason) == (BindingState.ABORTED, "drain deadline")
+        metrics = await (await c.get("/metrics")).text()
+    assert (await store.replica("r0")).state is ReplicaState.READY
+    assert 'rolloutpool_violations_total{replica="r0"}' not in metrics
+    await no_leaks(store)
+
+
 async def test_output_is_withheld_when_the_store_cannot_confirm(
     fake: tuple[FakeVllm, str], tmp_path: Path
 ) -> None:
@@ -601,3 +679,128 @@ async def test_output_is_withheld_when_the_store_cannot_confirm(
             assert err["rollout"]["id"] == answer.headers["X-Rollout-Id"]
     finally:
         redis.stop()
+
+
+KEY_A, KEY_B, ADMIN = "key-A-1111", "key-B-2222", "adm-3333"
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def ended(store: RedisStore, rid: str) -> Any:
+    """The binding once it is no longer active (polled, at most 10 s)."""
+    b = await settled(store, rid)
+    assert b.state is not BindingState.ACTIVE, f"{rid} is still active"
+    return b
+
+
+async def test_a_request_ends_at_its_deadline(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): nothing bounded a whole request or stream (only the replica's
+    silence). Past request_deadline_s it is aborted with the reason, upstream closed."""
+    f, url = fake
+    await publish_ready(store, [("r0", url)])
+    reason = "request deadline of 0.4 s exceeded"
+    async with router_client(settings(request_deadline_s=0.4), store_settings) as c:
+        f.delay_s = 30.0
+        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        assert r.status == 504
+        err = (await r.json())["error"]
+        assert err["code"] == "deadline_exceeded" and reason in err["message"]
+        await asyncio.wait_for(f.disconnected.wait(), 5)
+        b = await ended(store, r.headers["X-Rollout-Id"])
+        assert (b.state, b.reason) == (BindingState.ABORTED, reason)
+
+        f.delay_s, f.mode = 0.0, "slow_stream"  # a stream that would take 10 s
+        r = await c.post(
+            "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
+        )
+        events = await sse(r)
+        assert events[-1]["error"]["code"] == "deadline_exceeded" and "[DONE]" not in events
+        b = await ended(store, r.headers["X-Rollout-Id"])
+        assert (b.state, b.reason) == (BindingState.ABORTED, reason)
+    await no_leaks(store)
+
+
+async def test_a_sessions_request_ends_at_the_sessions_max_age(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    f, url = fake
+    f.mode = "slow_stream"
+    await publish_ready(store, [("r0", url)])
+    s = settings(session_max_age_s=0.6, reaper_interval_s=0.05)
+    async with router_client(s, store_settings) as c:
+        sid = (await (await c.post("/v1/rollouts")).json())["rollout_id"]
+        r = await c.post(
+            "/v1/completions",
+            json={"model": "rolloutpool", "prompt": "p", "stream": True},
+            headers={"X-Rollout-Id": sid},
+        )
+        events = await sse(r)
+        assert events[-1]["error"]["code"] in ("deadline_exceeded", "binding_ended")
+        b = await ended(store, sid)
+    assert (b.state, b.reason) == (BindingState.ABORTED, "session reached its maximum age of 0.6 s")
+    await no_leaks(store)
+
+
+async def test_a_client_that_stops_reading_a_stream_loses_its_binding(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding (issue 11): a client that stopped reading an SSE stream held its binding
+    (and the replica's drain) indefinitely. A write blocked for client_write_timeout_s ends it."""
+    f, url = fake
+    f.mode = "flood"
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(client_write_timeout_s=0.3), store_settings) as c:
+        r = await c.post(
+            "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
+        )
+        rid = r.headers["X-Rollout-Id"]  # ... and the client reads nothing more
+        b = await ended(store, rid)
+        assert b.state is BindingState.ABORTED
+        assert b.reason == "client stopped reading: an event waited 0.3 s to be sent"
+        await asyncio.wait_for(f.disconnected.wait(), 5)  # the generation is stopped too
+        r.close()
+    await no_leaks(store)
+
+
+async def test_requests_in_flight_per_client_and_per_session_are_capped(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit findings (issue 11): no per-client quota on requests; one session ran 52
+    concurrent requests on a capacity-1 replica. Over a limit → 429 with Retry-After."""
+    f, url = fake
+    f.delay_s = 30.0
+    await publish_ready(store, [("r0", url)], capacity=8)
+    s = settings(api_keys=[KEY_A, KEY_B], admin_token=ADMIN, client_max_in_flight=1)
+    req = {"model": "rolloutpool", "prompt": "p"}
+    async with router_client(s, store_settings) as c:
+        held = [asyncio.create_task(c.post("/v1/completions", json=req, headers=auth(KEY_A)))]
+        await asyncio.wait_for(f.received.wait(), 5)
+        f.received.clear()
+        r = await c.post("/v1/completions", json=req, headers=auth(KEY_A))
+        assert r.status == 429 and r.headers["Retry-After"] == "1"
+        err = (await r.json())["error"]
+        assert err["code"] == "client_in_flight" and "client_max_in_flight" in err["message"]
+
+        sid = (await (await c.post("/v1/rollouts", headers=auth(KEY_B))).json())["rollout_id"]
+        on_session = {**auth(KEY_B), "X-Rollout-Id": sid}
+        held.append(asyncio.create_task(c.post("/v1/completions", json=req, headers=on_session)))
+        await asyncio.wait_for(f.received.wait(), 5)
+        r = await c.post("/v1/completions", json=req, headers={**auth(ADMIN), "X-Rollout-Id": sid})
+        assert r.status == 429  # one request per session at a time, whoever sends it
+        err = (await r.json())["error"]
+        assert err["code"] == "session_busy" and "session_max_in_flight" in err["message"]
+        assert (await store.binding(sid)).requests == 1
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        r = await c.post(f"/v1/rollouts/{sid}/close", headers=auth(KEY_B))
+        assert r.status == 200
+    for _ in range(100):
+        if await store.leased_rollouts() == 0:
+            break
+        await asyncio.sleep(0.05)
+    await no_leaks(store)

@@ -12,6 +12,7 @@ from pydantic import SecretStr
 
 from pool.errors import (
     AdmissionRefused,
+    LimitReached,
     NotFound,
     StaleFencingToken,
     StoreBusy,
@@ -20,7 +21,7 @@ from pool.errors import (
 )
 from pool.records import UpdateRecord, UpdateState
 from pool.settings import StoreSettings
-from pool.store import RedisStore
+from pool.store import RedisStore, Terms
 from pool.types import BindingState, Generation, GenerationRecord, ReplicaState, WeightIdentity
 from testkit.redis_server import free_port
 
@@ -198,6 +199,77 @@ async def test_reaper_aborts_orphans_once(store: RedisStore) -> None:
     exp = await store.touch("alive", requests=1, completion_tokens=5, lease_s=60)
     assert exp > b.created_ms
     assert (await store.binding("alive")).completion_tokens == 5
+
+
+async def test_a_heartbeated_session_ends_at_its_max_age(store: RedisStore) -> None:
+    """Audit finding (issue 11): a heartbeating session lived forever (and kept a replica
+    DRAINING under drain_policy wait). No touch extends the lease past the max age; at it the
+    session expires and the reaper ends it with that reason."""
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    terms = Terms(owner="key:a", max_age_s=0.3, idle_s=60)
+    await store.admit("s", "r0", session=True, lease_s=60, terms=terms)
+    b = await store.binding("s")
+    assert b.client == "key:a" and b.deadline_ms == b.created_ms + 300
+    assert b.lease_expires_ms == b.deadline_ms
+    assert await store.touch("s", lease_s=60, activity=False) == b.deadline_ms
+    assert await store.touch("s", lease_s=60, requests=1) == b.deadline_ms
+    await asyncio.sleep(0.35)
+    for activity in (False, True):
+        with pytest.raises(LimitReached) as e:
+            await store.touch("s", lease_s=60, activity=activity)
+        assert e.value.reason == "session reached its maximum age of 0.3 s"
+    assert await store.renew({"s": 60.0}) == {"s"}  # nothing left to renew
+    assert await store.reap_expired() == ["s"]
+    b = await store.binding("s")
+    assert (b.state, b.reason) == (BindingState.ABORTED, "session reached its maximum age of 0.3 s")
+
+
+async def test_a_session_without_requests_ends_at_its_idle_limit(store: RedisStore) -> None:
+    """Heartbeats keep a session's lease but not its activity: without a request for
+    ``idle_s`` it ends (issue 11); a request, or a renewal while one runs, resets the clock."""
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    await store.admit("i", "r0", session=True, lease_s=60, terms=Terms(idle_s=0.3))
+    b = await store.binding("i")
+    assert b.idle_limit_ms == 300 and b.last_request_ms == b.created_ms and b.client == ""
+    assert await store.touch("i", lease_s=60, activity=False) == b.created_ms + 300
+    exp = await store.touch("i", lease_s=60, requests=1)  # a request: the clock restarts
+    active = (await store.binding("i")).last_request_ms
+    assert active is not None and exp == active + 300
+    await store.renew({"i": 60.0})  # a request still running: activity too
+    renewed = (await store.binding("i")).last_request_ms
+    assert renewed is not None and renewed >= active
+    await asyncio.sleep(0.35)
+    for activity in (False, True):  # a late request does not revive it
+        with pytest.raises(LimitReached) as e:
+            await store.touch("i", lease_s=60, activity=activity)
+        assert e.value.reason == "session idle: no request for 0.3 s"
+    assert await store.reap_expired() == ["i"]
+    assert (await store.binding("i")).reason == "session idle: no request for 0.3 s"
+
+
+async def test_a_clients_open_sessions_are_capped_in_redis(store: RedisStore) -> None:
+    """Per-client session quota (issue 11), counted by ADMIT so every router sees the same
+    count; ended sessions (closed, reaped, aborted) are pruned when the quota refuses."""
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+
+    def terms(client: str) -> Terms:
+        return Terms(owner=client, max_age_s=60, quota_key=client, quota=2)
+
+    await store.admit("a1", "r0", session=True, terms=terms("key:a"))
+    await store.admit("a2", "r0", session=True, terms=terms("key:a"))
+    with pytest.raises(AdmissionRefused) as e:
+        await store.admit("a3", "r0", session=True, terms=terms("key:a"))
+    assert e.value.reason == "client_quota"
+    await store.admit("b1", "r0", session=True, terms=terms("key:b"))  # another client
+    await store.abort_active("r0", "drain deadline")  # a1, a2 (and b1) end elsewhere
+    await store.admit("a3", "r0", session=True, terms=terms("key:a"))
+    await store.admit("a4", "r0", session=True, terms=terms("key:a"))
+    key = store.k.client_sessions("key:a")
+    assert await store.r.smembers(key) == {"a3", "a4"}
+    assert 0 < await store.r.pttl(key) <= 120_000
 
 
 async def test_declare_generation_is_write_once_and_monotonic(store: RedisStore) -> None:

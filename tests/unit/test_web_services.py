@@ -107,6 +107,19 @@ async def test_http_errors_answer_alike(store_settings: StoreSettings, service: 
             assert r.status == 400 and (await r.json())["error"]["code"] == code
         r = await c.post(path, data=b"x" * (5 << 20), headers=auth)  # above both limits
         assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+        # audit finding (issue 11): a deeply nested body was a 500 with a traceback, and
+        # NaN/Infinity (or a number beyond a double) were accepted and forwarded to vLLM
+        for data, what in [
+            (b"[" * 100_000 + b"]" * 100_000, "nested more than 64"),
+            (b'{"a":' * 65 + b"1" + b"}" * 65, "nested more than 64"),
+            (b'{"temperature": NaN}', "NaN is not a JSON number"),
+            (b'{"temperature": -Infinity}', "-Infinity is not a JSON number"),
+            (b'{"temperature": 1e999}', "too large for a double"),
+        ]:
+            r = await c.post(path, data=data, headers=auth)
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["code"] == "invalid_json", (data[:20], err)
+            assert what in err["message"]
 
 
 async def test_unreachable_store_answers_alike(service: Svc) -> None:
@@ -128,13 +141,21 @@ async def test_pool_view_is_one_shape(
     await publish_ready(store, [("r0", "http://127.0.0.1:1"), ("r1", "http://127.0.0.1:2")])
     await store.taint("r1", "operator", source="test")
     auth = {"Authorization": f"Bearer {ADMIN}"}
-    views = []
+    views, public = [], []
     for open_service in (router, updater_service(model_dir)):
         async with open_service(store_settings, ADMIN) as c:
             r = await c.get("/v1/pool", headers=auth)
             assert r.status == 200
             views.append(await r.json())
+            for headers in ({}, {"Authorization": "Bearer not-the-admin"}):
+                r = await c.get("/v1/pool", headers=headers)
+                public.append(await r.json())
     assert views[0] == views[1]
+    # audit finding (issue 11): replica URLs only for the admin token, on both services
+    assert [x["url"] for x in views[0]["replicas"]] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    for other in public:
+        assert [x["url"] for x in other["replicas"]] == [None, None]
+        assert {**other, "replicas": []} == {**views[0], "replicas": []}
     view = views[0]
     assert view["latest"] == {"generation": 0, "label": "g0", "identity_digest": "wid:test"}
     assert view["max_staleness"] == 1
@@ -154,3 +175,29 @@ async def test_pool_view_is_one_shape(
         "reason",
         "updated_ms",
     }
+
+
+def sample(text: str, name: str) -> float:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+async def test_redis_memory_is_on_both_services_metrics(
+    store_settings: StoreSettings, store: RedisStore, service: Svc
+) -> None:
+    """Issue 11: Redis filled up silently; both services' /metrics carry its memory (for the
+    alerts in deploy/prometheus/alerts.yml) and whether it answered."""
+    await store.r.config_set("maxmemory", str(3 << 30))
+    try:
+        async with service.open(store_settings, ADMIN) as c:
+            text = await (await c.get("/metrics")).text()
+    finally:
+        await store.r.config_set("maxmemory", "0")
+    assert sample(text, "rolloutpool_redis_up") == 1.0
+    assert sample(text, "rolloutpool_redis_maxmemory_bytes") == 3 << 30
+    used = sample(text, "rolloutpool_redis_used_memory_bytes")
+    assert 0 < used < 3 << 30
+    ss = StoreSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.5)
+    async with service.open(ss, ADMIN) as c:
+        text = await (await c.get("/metrics")).text()
+    assert sample(text, "rolloutpool_redis_up") == 0.0
