@@ -21,6 +21,11 @@ If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries wi
 :class:`GenerationUnsatisfiable` (409) at once. ``StoreUnavailable`` propagates (503, fail
 closed).
 
+Failover: nothing is admitted until the router's failover guard has verified an epoch
+(:attr:`Bindings.epoch`; :mod:`router.failover`), and an admission whose ADMIT straddled a new
+epoch is read back from the current primary before it is used (a failover may have lost it:
+then it counts as refused, ``lost_in_failover``, and the next candidate is tried).
+
 Cancellation: if the caller is cancelled while an ADMIT script is in flight, the script is
 allowed to finish (``asyncio.shield``) and a binding it created is released in the background
 as ``aborted`` (``client disconnected``), so a cancelled admission leaves nothing behind.
@@ -321,6 +326,7 @@ def candidates(
 class Admitted:
     admission: Admission
     replica: ReplicaRecord
+    epoch: int | None = None  # the failover epoch the ADMIT was sent in
 
 
 class Admitter:
@@ -365,12 +371,16 @@ class Admitter:
             while True:
                 snap = await self.view.get(fresh=fresh)
                 check_satisfiable(snap.latest, constraints, self.max_staleness)
-                for r in candidates(self.view, snap, constraints, self.max_staleness, key, accept):
+                order = candidates(self.view, snap, constraints, self.max_staleness, key, accept)
+                for r in order if self.bindings.epoch is not None else []:
                     self.view.reserve(r.replica_id)
+                    epoch = self.bindings.epoch
                     try:
                         adm = await self._admit_one(
                             rollout_id, r.replica_id, constraints, session, lease_s
                         )
+                        if self.bindings.epoch != epoch:
+                            await self._still_bound(rollout_id, r.replica_id)
                     except AdmissionRefused as e:
                         refusals[r.replica_id] = e.reason
                         continue
@@ -380,7 +390,7 @@ class Admitter:
                         self.view.session_admitted(r.replica_id)
                     self.metrics.admissions.labels(r.replica_id).inc()
                     self.metrics.admission_latency.observe(time.monotonic() - t0)
-                    return Admitted(adm, r)
+                    return Admitted(adm, r, epoch)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._unavailable(snap, constraints, refusals)
@@ -417,6 +427,12 @@ class Admitter:
             task.add_done_callback(self._undo)
             raise
 
+    async def _still_bound(self, rollout_id: str, replica_id: str) -> None:
+        """AdmissionRefused(``lost_in_failover``) unless the binding is active at the current
+        primary (the epoch moved while its ADMIT was in flight)."""
+        if await self.store.failover.missing([rollout_id]):
+            raise AdmissionRefused("lost_in_failover", replica=replica_id)
+
     def _undo(self, task: asyncio.Future[Admission]) -> None:
         """Release a binding whose admission finished after its caller was cancelled."""
         if task.cancelled() or task.exception() is not None:
@@ -432,7 +448,9 @@ class Admitter:
         self, snap: PoolSnapshot, c: Constraints, refusals: Mapping[str, str]
     ) -> NoReplicaAvailable:
         states = {r.replica_id: str(r.state) for r in snap.replicas}
-        if snap.latest is None:
+        if self.bindings.epoch is None:
+            why = "this router has not verified the failover epoch yet (Redis unreachable?)"
+        elif snap.latest is None:
             why = "no generation has been published yet"
         elif not snap.replicas:
             why = "no replica is registered"

@@ -12,8 +12,10 @@ starts and torn down in reverse order when it stops:
 3. **background** — the reaper, calling ``store.reap_expired()`` every ``reaper_interval_s``:
    bindings whose lease ran out (their router died) are aborted with "lease expired" (many
    routers may reap at once; each binding is released exactly once; errors are logged and
-   retried next tick); and the lease renewer of this router's in-flight requests
-   (:meth:`Bindings.renew_forever`, ticking every sixth of the shortest lease, at most 1 s).
+   retried next tick); the lease renewer of this router's in-flight requests
+   (:meth:`Bindings.renew_forever`, ticking every sixth of the shortest lease, at most 1 s);
+   and the :class:`~router.failover.FailoverGuard` (verifies in-flight bindings in every new
+   failover epoch, reports to the updater; the router admits only once it has run).
 
 Middlewares, outermost first: JSON errors, request timing (``rolloutpool_request_seconds``),
 auth, optional rate limit. Only the routes below exist; anything else is a JSON 404 (vLLM's
@@ -44,10 +46,12 @@ from router.admission import Admitter, ReplicaView
 from router.auth import auth_middleware, rate_limit_middleware
 from router.bindings import Bindings
 from router.errors import Handler, error_middleware
+from router.failover import FailoverGuard
 from router.keys import (
     ADMITTER,
     BINDINGS,
     CATALOG,
+    GUARD,
     HTTP,
     METRICS,
     REAPER,
@@ -83,6 +87,7 @@ def _store_ctx(store_settings: StoreSettings) -> Any:
         view = ReplicaView(store, settings.replica_view_ttl_s)
         bindings = Bindings(store, metrics)
         app[STORE], app[VIEW], app[BINDINGS] = store, view, bindings
+        app[GUARD] = FailoverGuard(store, bindings, metrics)
         app[ADMITTER] = Admitter(
             store,
             view,
@@ -121,7 +126,8 @@ async def _reap_forever(store: RedisStore, interval_s: float, stop: asyncio.Even
 
 
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The reaper and the lease renewer; both stop on a flag (see :mod:`router.bindings`)."""
+    """The reaper, the lease renewer and the failover guard; all stop on a flag (see
+    :mod:`router.bindings`)."""
     settings = app[SETTINGS]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -129,6 +135,7 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks = [
         loop.create_task(_reap_forever(app[STORE], settings.reaper_interval_s, stop)),
         loop.create_task(app[BINDINGS].renew_forever(tick_s, stop)),
+        loop.create_task(app[GUARD].run(stop)),
     ]
     app[REAPER] = tasks[0]
     yield

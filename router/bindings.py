@@ -14,6 +14,12 @@ Contracts:
   third of the lease has passed, by one background loop for all requests), so only the bindings
   of a *dead* router expire. Renewal stops when the request ends (a touch already in flight may
   still extend the lease once) or the binding has ended.
+* A request whose binding ends under it is **cut** (:meth:`Bindings.cut`): a renewal that finds
+  the binding gone (an updater abort, the reaper, a session close) or the failover guard
+  (:mod:`router.failover`: a binding a Redis failover lost) cancels the request's task unless
+  it has begun settling, and :func:`router.failover.cuttable` turns that into a 503 with the
+  reason (an SSE error event on a stream); closing the upstream response makes vLLM abort the
+  generation, so nothing keeps running on a binding nobody can prove.
 * :meth:`Bindings.close` (app shutdown) waits for pending releases, then cancels what is left.
 
 **Cancellation and redis-py.** A cancellation that arrives while redis-py (8.1, Python 3.11) is
@@ -30,8 +36,9 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -39,6 +46,7 @@ from pool.errors import NotFound, StoreConflict, StoreError
 from pool.metrics import RouterMetrics
 from pool.store import RedisStore
 from pool.types import BindingState
+from router.provenance import RolloutInfo
 
 log = logging.getLogger("router")
 T = TypeVar("T")
@@ -93,6 +101,9 @@ class Settlement:
 
     async def __call__(self, outcome: Outcome) -> Settled:
         if self.verdict is None:
+            task = asyncio.current_task()
+            if task is not None:
+                _SETTLING.add(task)  # from here on, the request is not cut (see Bindings.cut)
             self.verdict = Settled.UNCONFIRMED  # if the call below is cancelled
             self.verdict = await self._fn(outcome)
         return self.verdict
@@ -111,11 +122,22 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+#: Request tasks that have begun settling their binding: never cut (their answer is decided).
+_SETTLING: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+
+
 @dataclass
-class _Lease:
+class Held:
+    """One binding held by this router's running requests (see :meth:`Bindings.renewing`)."""
+
     lease_s: float
     renewed: float  # monotonic time of the admission or last renewal
+    info: RolloutInfo | None = None
+    session: bool = False
+    epoch: int | None = None  # the failover epoch in which the binding was last proven
+    cut: str | None = None  # why its requests were cut, once they were
     users: int = 0
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
 class Bindings:
@@ -123,7 +145,10 @@ class Bindings:
         self.store = store
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Held] = {}
+        #: The failover epoch this router last verified its bindings in (None: not yet);
+        #: maintained by :class:`router.failover.FailoverGuard`.
+        self.epoch: int | None = None
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run ``coro`` in a task the router keeps a reference to until it finishes."""
@@ -199,8 +224,18 @@ class Bindings:
         return await asyncio.shield(task)
 
     @contextlib.contextmanager
-    def renewing(self, rollout_id: str, lease_s: float) -> Iterator[None]:
-        """Keep the binding's lease alive for the duration of the block.
+    def renewing(
+        self,
+        rollout_id: str,
+        lease_s: float,
+        info: RolloutInfo | None = None,
+        *,
+        session: bool = False,
+        epoch: int | None = None,
+    ) -> Iterator[Held]:
+        """Keep the binding's lease alive for the duration of the block; the block's task may
+        be cut (:meth:`cut`). ``epoch``: the failover epoch in which the binding was admitted
+        (default: the current one); ``info`` lets the failover guard record a lost binding.
 
         Costs a dict entry: one background loop (:meth:`renew_forever`) renews every binding in
         flight once a third of its lease has passed. Nested blocks for one rollout (concurrent
@@ -208,14 +243,41 @@ class Bindings:
         """
         entry = self._leases.get(rollout_id)
         if entry is None:
-            entry = self._leases[rollout_id] = _Lease(lease_s, time.monotonic())
+            entry = self._leases[rollout_id] = Held(
+                lease_s, time.monotonic(), info, session, self.epoch if epoch is None else epoch
+            )
+        task = asyncio.current_task()
         entry.users += 1
+        if task is not None:
+            entry.tasks.add(task)
         try:
-            yield
+            yield entry
         finally:
             entry.users -= 1
+            if task is not None:
+                entry.tasks.discard(task)
             if entry.users == 0 and self._leases.get(rollout_id) is entry:
                 del self._leases[rollout_id]
+
+    def held(self) -> dict[str, Held]:
+        """The bindings of the requests running now (a copy)."""
+        return dict(self._leases)
+
+    def cut(self, rollout_id: str, reason: str) -> int:
+        """Cut the running requests of ``rollout_id`` (their binding ended or cannot be proven):
+        cancel their tasks, except those that have begun settling. Returns how many were cut."""
+        entry = self._leases.get(rollout_id)
+        if entry is None:
+            return 0
+        entry.cut = entry.cut or reason
+        n = 0
+        for task in list(entry.tasks):
+            if task not in _SETTLING and not task.done():
+                task.cancel(f"binding cut: {reason}")
+                n += 1
+        if n:
+            log.warning("rollout %s: %d request(s) cut: %s", rollout_id, n, reason)
+        return n
 
     async def renew_forever(self, tick_s: float, stop: asyncio.Event) -> None:
         """Renew due leases every ``tick_s`` until ``stop`` is set (a flag, not cancellation).
@@ -237,8 +299,8 @@ class Bindings:
                 log.warning("lease renewal of %d binding(s) failed: %s", len(due), e.message)
                 continue
             for rid, entry in due.items():
-                if rid in gone:
-                    self._leases.pop(rid, None)  # ended meanwhile
+                if rid in gone:  # ended under the request: stop generating for nobody
+                    self.cut(rid, "the rollout's binding was ended while the request ran")
                 else:
                     entry.renewed = now
 

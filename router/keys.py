@@ -17,6 +17,7 @@ from pool.metrics import RouterMetrics
 from pool.store import RedisStore
 from router.admission import Admitter, ReplicaView
 from router.bindings import Bindings
+from router.failover import FailoverGuard
 from router.settings import RouterSettings
 from router.upstream import ReplicaCatalog
 
@@ -30,3 +31,4 @@ ADMITTER = web.AppKey("admitter", Admitter)
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 CATALOG = web.AppKey("catalog", ReplicaCatalog)
 REAPER = web.AppKey("reaper", asyncio.Task[None])
+GUARD = web.AppKey("guard", FailoverGuard)

@@ -42,6 +42,8 @@ upstream 5xx / bad body                     ``aborted``; 502
 connection failed or lost                   ``aborted``; 502 (or an SSE error event)
 no byte for ``upstream_timeout_s``          ``aborted``; 504 (or an SSE error event)
 binding ended under the request            (left as ended); 503 ``binding_ended``
+binding ended or lost while it runs         cut at once (router.failover): 503
+                                            ``binding_lost`` (or an SSE error event)
 client disconnected                         ``aborted`` "client disconnected"; the upstream
                                             connection is closed, so vLLM aborts the request
 any other exception / cancellation          ``aborted`` with the reason
@@ -85,6 +87,7 @@ from router.errors import (
     dumps,
     json_response,
 )
+from router.failover import STREAM, cuttable
 from router.keys import ADMITTER, BINDINGS, CATALOG, HTTP, METRICS, SETTINGS, STORE, VIEW
 from router.provenance import (
     HEADER_ID,
@@ -153,8 +156,9 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             request, session_id.strip(), constraints, accept
         )
         lease_s = settings.session_lease_s
-        with app[BINDINGS].renewing(info.rollout_id, lease_s):
-            return await run_settled(request, Target(info, replica), body, model, settle)
+        with app[BINDINGS].renewing(info.rollout_id, lease_s, info, session=True) as held:
+            run = run_settled(request, Target(info, replica), body, model, settle)
+            return await cuttable(request, held, run)
 
     rollout_id = new_rollout_id()
     timings = request[TIMINGS] = Timings(time.perf_counter())
@@ -185,8 +189,10 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             view.finished(replica.replica_id)
 
     target = Target(RolloutInfo.of_admission(adm), replica)
-    with bindings.renewing(rollout_id, settings.request_lease_s):
-        return await run_settled(request, target, body, model, Settlement(release))
+    lease_s = settings.request_lease_s
+    with bindings.renewing(rollout_id, lease_s, target.info, epoch=admitted.epoch) as held:
+        run = run_settled(request, target, body, model, Settlement(release))
+        return await cuttable(request, held, run)
 
 
 async def run_settled(
@@ -527,6 +533,7 @@ async def _stream(
         },
     )
     await out.prepare(request)
+    request[STREAM] = out  # a cut ends the stream with an error event (router.failover)
 
     async def send(payload: bytes | None) -> None:
         try:

@@ -8,7 +8,10 @@ For one replica and one target generation::
                              ``wait``) or not at all (``abort``); what is left is aborted with
                              a reason (marked aborted in its provenance, never lost)
     POST /pause?clear_cache=false   DrainEvidence: store closed + 0 active; engine paused, idle
-    DRAINING -> QUIESCED -> UPDATING            (the store refuses both with active bindings: I2)
+    DRAINING -> QUIESCED
+    wait until every router verified the failover epoch (updater.failover, when a gate is set)
+    QUIESCED -> UPDATING     (the store refuses both with active bindings: I2); the epoch must
+                             not have moved since the routers' check
     transfer                 under its deadline (I5)
     UPDATING -> INVALIDATING reset prefix (body checked) + mm + encoder caches
     INVALIDATING -> VALIDATING  set the label; resume the engine; probe; read the label back
@@ -62,6 +65,7 @@ from pool.records import ReplicaOutcome, ReplicaReport
 from pool.store import RedisStore, UpdaterLease
 from pool.types import Generation, Manifest, ReplicaState, WeightIdentity
 from updater.deadline import bounded
+from updater.failover import EpochGate
 from updater.transports.base import Transport, WeightsTarget
 
 log = logging.getLogger(__name__)
@@ -164,6 +168,7 @@ class CycleRunner:
         drain_timeout_s: float = 300.0,
         drain_poll_s: float = 0.02,
         validator: Validator | None = None,
+        gate: EpochGate | None = None,
     ) -> None:
         self.store = store
         self.lease = lease
@@ -176,6 +181,8 @@ class CycleRunner:
         #: has its caches reset; admissions stay closed. Default: :meth:`probe_validate` (label +
         #: greedy probe). A GPU harness on bf16 weights plugs in a teacher-forced log-prob check.
         self.validate: Validator = validator or self.probe_validate
+        #: Stands before every transfer when Redis can fail over (:mod:`updater.failover`).
+        self.gate = gate
 
     # ------------------------------------------------------------------ engine steps
 
@@ -318,9 +325,18 @@ class CycleRunner:
                 raise await self._cancel(h, report, "pause", e, paused=True) from e
         quiesced_at = time.monotonic()
 
+        epoch = None
+        if self.gate is not None:
+            with timer("routers"):
+                try:  # no mutation yet: a failure here cancels like one in the pause step
+                    epoch = await self.gate.settled()
+                except Exception as e:
+                    raise await self._cancel(h, report, "failover check", e, paused=True) from e
         step = "transfer"
         try:
             await self.commit(h, TransferStarted(t.identity.digest))
+            if self.gate is not None and epoch is not None:
+                await self.gate.unchanged(epoch)
             with timer("transfer"):
                 ev = await self._engine(
                     "transfer",

@@ -39,6 +39,7 @@ from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentit
 from updater import plan
 from updater.api import UpdateRequest
 from updater.cycle import CycleError, CycleRunner, Probe, ReplicaHandle, UpdateTarget
+from updater.failover import EpochGate
 from updater.pending import PendingUpdate, PendingUpdates
 from updater.replicas import ManagedReplica, bring_up
 from updater.settings import UpdaterSettings
@@ -83,6 +84,7 @@ class Updater:
             deadlines=settings.deadlines,
             drain_policy=settings.drain_policy,
             drain_timeout_s=settings.drain_timeout_s,
+            gate=EpochGate(store),
         )
         self.replicas: dict[str, ManagedReplica] = {}
         for cfg in settings.replicas:
