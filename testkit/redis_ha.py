@@ -102,12 +102,14 @@ class SentinelGroup:
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 3000,
         min_replicas_max_lag_s: int = 3,
+        min_replicas_to_write: int = 1,
     ) -> None:
         self.workdir = workdir
         self.service = service
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
         self.lag_s = min_replicas_max_lag_s
+        self.min_replicas = min_replicas_to_write
         self.nodes = [
             RedisServer(workdir / f"node-{i}", port=free_port()) for i in range(1 + replicas)
         ]
@@ -118,7 +120,8 @@ class SentinelGroup:
     # ------------------------------------------------------------------ lifecycle
 
     def _node_args(self, primary_port: int | None) -> list[str]:
-        args = ["--min-replicas-to-write", "1", "--min-replicas-max-lag", str(self.lag_s)]
+        args = ["--min-replicas-to-write", str(self.min_replicas)]
+        args += ["--min-replicas-max-lag", str(self.lag_s)]
         args += ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
         if primary_port is not None:
             args += ["--replicaof", "127.0.0.1", str(primary_port)]
@@ -258,6 +261,12 @@ class SentinelGroup:
         node.stop(timeout_s=1.0)
         node.extra = self._node_args(self.primary_port())
         node.start(timeout_s)
+
+    def force_failover(self) -> None:
+        """``SENTINEL FAILOVER``: promote a replica now, as if the primary were unreachable."""
+        out = command(self.sentinels[0].port, "SENTINEL", "FAILOVER", self.service)
+        if out != "OK":
+            raise RolloutPoolError(f"SENTINEL FAILOVER refused: {out}")
 
     def reachable(self, port: int) -> bool:
         try:

@@ -123,16 +123,16 @@ class Failover:
         return f"{server['run_id']}:{repl['master_replid']}"
 
     async def heartbeat(self, router_id: str, epoch: int | None, ttl_s: float) -> dict[str, int]:
-        """Record that ``router_id`` is alive and has verified ``epoch`` (None: it is leaving).
-        Returns every live router's verified epoch."""
+        """Record that ``router_id`` is alive and has verified ``epoch`` (None: it is leaving);
+        durable like a fenced write (``wait_replicas``), so a failover cannot drop a router the
+        updater must wait for. Returns every live router's verified epoch."""
         k = self.store.k
-        out = await self.store._call(
-            lambda: self._router(
-                keys=[k.routers, k.router_epochs],
-                args=[router_id, "" if epoch is None else epoch, max(1, int(ttl_s * 1000))],
-            )
+        out = await self.store._durable(
+            self._router,
+            [k.routers, k.router_epochs],
+            [router_id, "" if epoch is None else epoch, max(1, int(ttl_s * 1000))],
         )
-        return {str(out[i]): int(out[i + 1]) for i in range(0, len(out), 2)}
+        return {out[i]: int(out[i + 1]) for i in range(0, len(out), 2)}
 
     async def routers(self) -> dict[str, int]:
         """Every live router's verified epoch (a read: expired ones are left out)."""
