@@ -44,7 +44,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pool.errors import AdmissionRefused, StoreUnavailable
+from pool.errors import AdmissionRefused, NotFound, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Admission, RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
@@ -430,7 +430,11 @@ class Admitter:
     async def _still_bound(self, rollout_id: str, replica_id: str) -> None:
         """AdmissionRefused(``lost_in_failover``) unless the binding is active at the current
         primary (the epoch moved while its ADMIT was in flight)."""
-        if await self.store.failover.missing([rollout_id]):
+        try:
+            active = (await self.store.binding(rollout_id)).state is BindingState.ACTIVE
+        except NotFound:
+            active = False
+        if not active:
             raise AdmissionRefused("lost_in_failover", replica=replica_id)
 
     def _undo(self, task: asyncio.Future[Admission]) -> None:

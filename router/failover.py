@@ -7,11 +7,13 @@ every ``min(1 s, failover_grace_s / 5)``:
 
 1. read the failover epoch (:meth:`pool.store.Failover.epoch`);
 2. every binding of a running request not yet proven in that epoch (a new epoch, or an
-   admission that started in an older one) is read at the current primary in one pipelined
-   round trip; a binding that is not active there is **cut** (:meth:`Bindings.cut`: the request
-   is cancelled, its upstream connection closed, so vLLM stops generating; the client gets 503
-   ``binding_lost`` with the reason, a stream an SSE error event), and one that has no record
-   at all is recorded as aborted with the reason (:meth:`pool.store.Failover.record_lost`);
+   admission that started in an older one) is read at the epoch's primary in one pipelined
+   round trip (:meth:`pool.store.Failover.prove`: it counts only if the node that answered is
+   the one the sentinels name, and not while a failover is under way); a binding that is not
+   active there is **cut** (:meth:`Bindings.cut`: the request is cancelled, its upstream
+   connection closed, so vLLM stops generating; the client gets 503 ``binding_lost`` with the
+   reason, a stream an SSE error event), and one that has no record at all is recorded as
+   aborted with the reason (:meth:`pool.store.Failover.record_lost`);
 3. only then report the epoch as verified, with a heartbeat that expires after
    ``failover_grace_s`` (written with ``WAIT`` like the fenced writes, so a failover does not
    lose the router's registration). The updater starts no weight transfer until every live
@@ -37,9 +39,9 @@ from typing import Any
 
 from aiohttp import web
 
-from pool.errors import StoreError
+from pool.errors import StoreError, StoreUnavailable
 from pool.metrics import RouterMetrics
-from pool.store import RedisStore
+from pool.store import Epoch, RedisStore
 from router.bindings import Bindings, Held
 from router.errors import BindingEnded, dumps
 
@@ -75,10 +77,11 @@ class FailoverGuard:
             await self.store.failover.heartbeat(self.router_id, None, self.grace_s)
 
     async def tick(self) -> None:
-        """One round: verify, then heartbeat; self-fence when heartbeats keep failing."""
+        """One round: prove, cut, heartbeat; self-fence when rounds keep failing."""
         try:
             epoch = await self.store.failover.epoch()
-            await self.verify(epoch.number)
+            if not await self.verify(epoch):
+                raise StoreUnavailable(f"failover to epoch {epoch.number} still under way")
             await self.store.failover.heartbeat(self.router_id, epoch.number, self.grace_s)
         except StoreError as e:
             silent = time.monotonic() - self.last_ok
@@ -91,24 +94,26 @@ class FailoverGuard:
         self.bindings.epoch = epoch.number
         self.last_ok = time.monotonic()
 
-    async def verify(self, epoch: int) -> None:
-        """Cut the running requests whose binding is not active at the current primary, among
-        those not yet proven in ``epoch``; mark the others proven."""
-        unproven = {rid: h for rid, h in self.bindings.held().items() if h.epoch != epoch}
-        if not unproven:
-            return
-        missing = await self.store.failover.missing(unproven)
+    async def verify(self, epoch: Epoch) -> bool:
+        """Cut the running requests whose binding is not active at the epoch's primary, among
+        those not yet proven in ``epoch``; mark the others proven. False: nothing could be
+        proven (the failover is still under way)."""
+        unproven = {rid: h for rid, h in self.bindings.held().items() if h.epoch != epoch.number}
+        missing = await self.store.failover.prove(epoch, unproven)
+        if missing is None:
+            return False
         for rid, held in unproven.items():
             state = missing.get(rid)
             if state is None:
-                held.epoch = epoch
+                held.epoch = epoch.number
                 continue
-            reason = f"its binding was lost in a Redis failover (epoch {epoch})"
+            reason = f"its binding was lost in a Redis failover (epoch {epoch.number})"
             if state:
                 reason = f"its binding was {state} while the request ran"
             elif held.info is not None:
                 await self._record_lost(held, reason)
             self.cut += self.bindings.cut(rid, reason)
+        return True
 
     async def _record_lost(self, held: Held, reason: str) -> None:
         info = held.info

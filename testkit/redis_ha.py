@@ -154,21 +154,35 @@ class SentinelGroup:
                     ]
                 )
             )
+        self.wait_sentinels_ready(timeout_s)
+        return self
+
+    def _sentinel_sees_all(self, port: int) -> bool:
+        """The sentinel knows every other sentinel and has fresh INFO of every replica with its
+        link to the primary up (else it finds no replica to promote: NOGOODSLAVE)."""
+        lines = command(port, "SENTINEL", "MASTER", self.service).splitlines()
+        state = dict(zip(lines[::2], lines[1::2], strict=False))
+        if state.get("num-other-sentinels") != str(len(self.sentinels) - 1):
+            return False
+        lines = command(port, "SENTINEL", "REPLICAS", self.service).splitlines()
+        pairs = list(zip(lines[::2], lines[1::2], strict=False))
+        good = sum(1 for k, v in pairs if k == "master-link-status" and v == "ok")
+        fresh = sum(1 for k, v in pairs if k == "info-refresh" and v.isdigit() and int(v) < 5000)
+        flags = [v for k, v in pairs if k == "flags"]
+        return (
+            good == fresh == len(self.nodes) - 1
+            and len(flags) == len(self.nodes) - 1
+            and all(f == "slave" for f in flags)
+        )
+
+    def wait_sentinels_ready(self, timeout_s: float = 30.0) -> None:
+        """Until every sentinel could promote any replica (see :meth:`_sentinel_sees_all`)."""
         for s in self.sentinels:
             _wait(
                 f"sentinel {s.port} to see the group",
                 lambda s=s: self._sentinel_sees_all(s.port),
                 timeout_s,
             )
-        return self
-
-    def _sentinel_sees_all(self, port: int) -> bool:
-        text = command(port, "SENTINEL", "MASTER", self.service)
-        lines = text.splitlines()
-        state = dict(zip(lines[::2], lines[1::2], strict=False))
-        return state.get("num-slaves") == str(len(self.nodes) - 1) and state.get(
-            "num-other-sentinels"
-        ) == str(len(self.sentinels) - 1)
 
     def stop(self) -> None:
         for s in self.sentinels:

@@ -5,7 +5,8 @@ requests find out in the new failover epoch and cut them (:mod:`router.failover`
 have, the store's count of active bindings may be too low, so the :class:`EpochGate` stands
 before every weight transfer:
 
-* :meth:`EpochGate.settled` blocks until every live router has verified the current epoch.
+* :meth:`EpochGate.settled` blocks until the epoch is settled (no failover under way) and every
+  live router has verified it.
   A router that cannot verify (Redis unreachable) stops counting once its heartbeat expires
   (``failover_grace_s``), and by then it has cut its own requests (it does so after half that
   long), so the wait is bounded by ``failover_grace_s``.
@@ -46,7 +47,7 @@ class EpochGate:
             epoch = await self.store.failover.epoch()
             routers = await self.store.failover.routers()
             behind = sorted(rid for rid, e in routers.items() if e < epoch.number)
-            if not behind:
+            if epoch.settled and not behind:
                 if time.monotonic() - t0 > self.poll_s:
                     waited = time.monotonic() - t0
                     self.waited_s[epoch.number] = waited
@@ -57,7 +58,7 @@ class EpochGate:
     async def unchanged(self, epoch: Epoch) -> None:
         """Raise :class:`EpochChanged` if Redis failed over since ``epoch`` was read."""
         now = await self.store.failover.epoch()
-        if now.number != epoch.number:
+        if now.number != epoch.number or not now.settled:
             raise EpochChanged(
                 f"Redis failed over (epoch {epoch.number} -> {now.number}) during the step",
                 before=epoch.number,

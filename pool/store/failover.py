@@ -2,8 +2,14 @@
 over").
 
 Replication is asynchronous: a failover (or a crash of a lone Redis) can lose writes the old
-primary already acknowledged. The **epoch** is a number that grows with every change of primary
-and is never lost with them, because it does not live in the replicated data alone:
+primary already acknowledged. The old primary must also stop accepting writes before another
+node is promoted: run every node with ``min-replicas-to-write 1`` and a
+``min-replicas-max-lag`` shorter than the sentinels' ``down-after-milliseconds``
+(``deploy/`` does), so a primary cut off from its replicas refuses writes before it is
+replaced and one that comes back refuses them until it is a replica.
+
+The **epoch** is a number that grows with every change of primary and is never lost with
+them, because it does not live in the replicated data alone:
 
 * Sentinel: the ``config-epoch`` the sentinels agree on for the service (``SENTINEL MASTER``,
   the highest any reachable sentinel reports; a sentinel that hands out the new primary's
@@ -19,7 +25,8 @@ What rests on it:
   before it even if the counter's last increments were lost, and two updaters never hold equal
   tokens. The scripts still compare the lease value by equality.
 * **Routers** read the epoch every tick; in a new epoch they check every in-flight binding at
-  the new primary (:meth:`Failover.missing`, one pipelined read), cut the requests whose binding
+  the new primary (:meth:`Failover.prove`, one pipelined read that also names the node it ran
+  on, so it counts only if that node is the epoch's primary), cut the requests whose binding
   is gone (a lost binding is recorded as aborted with the reason, :meth:`Failover.record_lost`)
   and then report the epoch as verified (:meth:`Failover.heartbeat`, with a TTL of
   ``failover_grace_s``).
@@ -66,10 +73,15 @@ def describe_token(token: int) -> str:
 
 @dataclass(frozen=True)
 class Epoch:
-    """The failover epoch and the primary it belongs to (``host:port`` or an identity)."""
+    """The failover epoch, the primary it belongs to (``host:port`` or an identity) and that
+    primary's run id ('': the sentinels have not learned it yet). ``settled`` is False while the
+    sentinels are failing over (the answer with the highest epoch is down, disconnected or has
+    a failover in progress): nothing may be proven in such an epoch."""
 
     number: int
     primary: str = field(compare=False)
+    run_id: str = field(default="", compare=False)
+    settled: bool = field(default=True, compare=False)
 
 
 class Failover:
@@ -92,7 +104,7 @@ class Failover:
         n = await self.store._call(
             lambda: self._epoch(keys=[k.epochs, k.journal], args=[ident, self.store._maxlen])
         )
-        return Epoch(int(n), ident)
+        return Epoch(int(n), ident, ident.partition(":")[0])
 
     async def _sentinel_epoch(self, sentinel: Sentinel) -> Epoch:
         service = self.store.settings.sentinel_service
@@ -102,8 +114,16 @@ class Failover:
         best: Epoch | None = None
         for a in answers:
             if isinstance(a, dict) and "config-epoch" in a:
-                e = Epoch(int(a["config-epoch"]), f"{a.get('ip')}:{a.get('port')}")
-                if best is None or e.number > best.number:
+                # "master" alone: no failover under way, not down, the link up
+                settled = set(str(a.get("flags", "")).split(",")) == {"master"}
+                e = Epoch(
+                    int(a["config-epoch"]),
+                    f"{a.get('ip')}:{a.get('port')}",
+                    str(a.get("runid") or ""),
+                    settled,
+                )
+                # the highest epoch wins; among equal ones, an unsettled answer
+                if best is None or (e.number, not e.settled) > (best.number, not best.settled):
                     best = e
         if best is None:
             errors = {type(a).__name__ for a in answers if isinstance(a, BaseException)}
@@ -121,6 +141,39 @@ class Failover:
             kw["target_nodes"] = r.get_node_from_key(self.store.k.latest)
         server, repl = await asyncio.gather(r.info("server", **kw), r.info("replication", **kw))
         return f"{server['run_id']}:{repl['master_replid']}"
+
+    async def prove(self, epoch: Epoch, rollout_ids: Iterable[str]) -> dict[str, str] | None:
+        """The ids among ``rollout_ids`` whose binding is not active, with its state (``''``:
+        no record at all), read *at the primary of* ``epoch``: every read goes with the node's
+        run id on one connection, and None means the epoch is not settled or a read reached
+        another node (a failover under way): nothing is proven, try again. Until the sentinels
+        know the new primary's run id, its port stands in for it. (In Cluster mode the node is
+        not checked.)"""
+        if not epoch.settled:
+            return None
+        ids = list(rollout_ids) or [""]
+        out: dict[str, str] = {}
+        check = self.store.settings.mode != "cluster"
+        for start in range(0, len(ids), 512):
+            part = ids[start : start + 512]
+
+            async def run(part: list[str] = part) -> list[Any]:
+                async with self.store.r.pipeline(transaction=False) as p:
+                    if check:
+                        p.info("server")
+                    for rid in part:
+                        p.hget(self.store.k.binding(rid), "state")
+                    return list(await p.execute())
+
+            res = await self.store._call(run)
+            if check:
+                if not _is(epoch, res[0]):
+                    return None
+                res = res[1:]
+            for rid, state in zip(part, res, strict=True):
+                if rid and state != "active":
+                    out[rid] = state or ""
+        return out
 
     async def heartbeat(self, router_id: str, epoch: int | None, ttl_s: float) -> dict[str, int]:
         """Record that ``router_id`` is alive and has verified ``epoch`` (None: it is leaving);
@@ -148,25 +201,6 @@ class Failover:
         (secs, usecs), live, epochs = await self.store._call(run)
         now_ms = int(secs) * 1000 + int(usecs) // 1000
         return {str(rid): int(epochs.get(rid, 0)) for rid, exp in live if exp > now_ms}
-
-    async def missing(self, rollout_ids: Iterable[str], *, chunk: int = 512) -> dict[str, str]:
-        """The ids among ``rollout_ids`` whose binding is not active at the current primary,
-        with its state (``''``: no record at all, e.g. lost in a failover). Pipelined reads."""
-        ids = list(rollout_ids)
-        out: dict[str, str] = {}
-        for start in range(0, len(ids), chunk):
-            part = ids[start : start + chunk]
-
-            async def run(part: list[str] = part) -> list[Any]:
-                async with self.store.r.pipeline(transaction=False) as p:
-                    for rid in part:
-                        p.hget(self.store.k.binding(rid), "state")
-                    return list(await p.execute())
-
-            for rid, state in zip(part, await self.store._call(run), strict=True):
-                if state != "active":
-                    out[rid] = state or ""
-        return out
 
     async def record_lost(
         self,
@@ -198,6 +232,13 @@ class Failover:
             ],
         )
         return out[0] == "ok"
+
+
+def _is(epoch: Epoch, server: dict[str, Any]) -> bool:
+    """Whether the node whose ``INFO server`` this is, is the primary of ``epoch``."""
+    if epoch.run_id:
+        return bool(server.get("run_id") == epoch.run_id)
+    return bool(str(server.get("tcp_port")) == epoch.primary.rpartition(":")[2])
 
 
 __all__ = [

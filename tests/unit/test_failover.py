@@ -1,9 +1,10 @@
 """Writes a Redis failover loses, on a real Sentinel group (a primary, a replica and a sentinel
 started here), and what keeps them from breaking the contract.
 
-A write is lost for real: the replica's link to the primary is cut (``REPLICAOF`` a port where
-nobody listens), the write lands on the primary only, the primary is SIGKILLed and
-``SENTINEL FAILOVER`` promotes the replica. Each test pins
+A write is lost for real: the replica is SIGSTOPped and the primary drops its replication link
+(``CLIENT KILL TYPE replica``: what was sent before stays in the replica's socket, nothing after
+is sent), the write lands on the primary only, the primary is SIGKILLed, the replica resumes and
+``SENTINEL FAILOVER`` promotes it. Each test pins
 one hole (and fails without its fix):
 
 * a lost ADMIT leaves a request running on a replica whose active count at the new primary is
@@ -39,7 +40,6 @@ from router.errors import BindingEnded
 from router.failover import FailoverGuard, cuttable
 from router.provenance import RolloutInfo
 from testkit.redis_ha import SentinelGroup, command
-from testkit.redis_server import free_port
 from updater.failover import EpochGate
 
 S = ReplicaState
@@ -88,15 +88,19 @@ async def lose(group: SentinelGroup, store: RedisStore, write: Any) -> Any:
     """Run ``write`` on the primary alone, then fail over to a replica that never got it."""
     old = group.primary_port()
     replica = next(n for n in group.nodes if n.port != old)
-    assert command(replica.port, "REPLICAOF", "127.0.0.1", str(free_port())) == "OK"
+    replica.signal(signal.SIGSTOP)
     try:
+        assert command(old, "CLIENT", "KILL", "TYPE", "replica") == "1"
         result = await write()
     finally:
         group.node(old).signal(signal.SIGKILL)
+        replica.signal(signal.SIGCONT)
     await asyncio.to_thread(group.force_failover)
     new, _ = await asyncio.to_thread(group.wait_promoted, old)
     await until_reachable(store, new)
     await asyncio.to_thread(group.restart, old)  # back as a replica of the new primary
+    await asyncio.to_thread(group.wait_replicas_synced, new, 1)
+    await asyncio.to_thread(group.wait_sentinels_ready)
     return result
 
 
@@ -134,9 +138,13 @@ async def test_a_lost_admit_gets_its_request_cut_before_any_transfer(
     gate = EpochGate(store, poll_s=0.02)
     with pytest.raises(TimeoutError):  # no transfer may start: the router has not verified
         await asyncio.wait_for(gate.settled(), 0.5)
-    await guard.tick()  # the router sees the new epoch: verifies, cuts, records, reports
+    for _ in range(100):  # the router sees the new epoch: once settled, verifies, cuts, reports
+        await guard.tick()
+        if bindings.epoch != epoch0:
+            break
+        await asyncio.sleep(0.1)
     with pytest.raises(asyncio.CancelledError):
-        await task
+        await asyncio.wait_for(task, 1)
     epoch = await asyncio.wait_for(gate.settled(), 2)
     assert epoch.number > epoch0 and bindings.epoch == epoch.number
     b = await store.binding("ro-lost")
