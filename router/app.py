@@ -131,6 +131,7 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    await app[GUARD].tick()  # admissions wait for it: one round before serving (fails fast)
     tick_s = min(1.0, settings.request_lease_s / 6, settings.session_lease_s / 6)
     tasks = [
         loop.create_task(_reap_forever(app[STORE], settings.reaper_interval_s, stop)),

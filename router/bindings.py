@@ -53,6 +53,10 @@ T = TypeVar("T")
 
 RELEASE_RETRY_DELAYS_S = (0.05, 0.25, 1.0)
 DEFAULT_REASON = "router error"
+#: How long this router remembers a binding it ended, so that the failover guard can write its
+#: record again if a failover lost the end (or the whole binding); longer than any replication
+#: lag the primary tolerates (min-replicas-max-lag) plus the time to notice a failover.
+RECENT_S = 60.0
 
 
 @dataclass
@@ -122,6 +126,19 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+@dataclass(frozen=True)
+class Ended:
+    """A binding this router ended (confirmed), kept :data:`RECENT_S` for the failover guard."""
+
+    info: RolloutInfo
+    session: bool
+    state: BindingState
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    at: float  # monotonic
+
+
 #: Request tasks that have begun settling their binding: never cut (their answer is decided).
 _SETTLING: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
 
@@ -149,6 +166,8 @@ class Bindings:
         #: The failover epoch this router last verified its bindings in (None: not yet);
         #: maintained by :class:`router.failover.FailoverGuard`.
         self.epoch: int | None = None
+        #: Bindings this router ended in the last RECENT_S seconds (oldest first).
+        self.recent: dict[str, Ended] = {}
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run ``coro`` in a task the router keeps a reference to until it finishes."""
@@ -187,7 +206,11 @@ class Bindings:
                 if not released and attempt > 0:  # maybe our own earlier, unanswered attempt
                     b = await self.store.binding(rollout_id)
                     released = b.state is state and b.reason == reason
-            except (NotFound, StoreConflict) as e:
+            except NotFound as e:
+                log.error("release of %s failed: %s", rollout_id, e.message)
+                await self._record_missing(rollout_id)
+                return Settled.ENDED_ELSEWHERE
+            except StoreConflict as e:
                 log.error("release of %s failed: %s", rollout_id, e.message)
                 return Settled.ENDED_ELSEWHERE
             except StoreError as e:
@@ -197,6 +220,7 @@ class Bindings:
                 continue
             if not released:
                 return Settled.ENDED_ELSEWHERE
+            self._remember(rollout_id, state, reason, prompt_tokens, completion_tokens)
             self.metrics.rollouts_ended.labels(state.value).inc()
             if state is not BindingState.FINISHED:
                 log.info("rollout %s on %s %s: %s", rollout_id, replica_id, state, reason)
@@ -207,6 +231,39 @@ class Bindings:
             rollout_id,
         )
         return Settled.UNCONFIRMED
+
+    def _remember(
+        self, rollout_id: str, state: BindingState, reason: str, prompt: int, completion: int
+    ) -> None:
+        held = self._leases.get(rollout_id)
+        now = time.monotonic()
+        while self.recent:
+            oldest = next(iter(self.recent))
+            if now - self.recent[oldest].at < RECENT_S:
+                break
+            del self.recent[oldest]
+        if held is not None and held.info is not None:
+            self.recent[rollout_id] = Ended(
+                held.info, held.session, state, reason, prompt, completion, now
+            )
+
+    async def _record_missing(self, rollout_id: str) -> None:
+        """The binding of a request this router runs has no record at all: a failover lost it.
+        Record it as aborted with that reason (best effort)."""
+        held = self._leases.get(rollout_id)
+        if held is None or held.info is None:
+            return
+        i = held.info
+        with contextlib.suppress(StoreError):
+            await self.store.failover.record_lost(
+                rollout_id,
+                i.replica_id,
+                i.generation,
+                i.label,
+                i.identity_digest,
+                session=held.session,
+                reason="its binding was lost in a Redis failover before the request ended",
+            )
 
     async def release(
         self,

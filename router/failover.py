@@ -14,6 +14,10 @@ every ``min(1 s, failover_grace_s / 5)``:
    connection closed, so vLLM stops generating; the client gets 503 ``binding_lost`` with the
    reason, a stream an SSE error event), and one that has no record at all is recorded as
    aborted with the reason (:meth:`pool.store.Failover.record_lost`);
+   In a new epoch the bindings this router *ended* lately (:data:`router.bindings.RECENT_S`)
+   are read too: one the failover lost entirely gets its final record again, one whose end it
+   lost is ended again (same state, reason and token counts), so the provenance records stay
+   exact;
 3. only then report the epoch as verified, with a heartbeat that expires after
    ``failover_grace_s`` (written with ``WAIT`` like the fenced writes, so a failover does not
    lose the router's registration). The updater starts no weight transfer until every live
@@ -42,7 +46,7 @@ from aiohttp import web
 from pool.errors import StoreError, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Epoch, RedisStore
-from router.bindings import Bindings, Held
+from router.bindings import Bindings, Ended, Held
 from router.errors import BindingEnded, dumps
 
 log = logging.getLogger("router")
@@ -66,6 +70,7 @@ class FailoverGuard:
         self.last_ok = time.monotonic()
         self.lost = 0  # bindings found lost (no record at the new primary)
         self.cut = 0  # requests cut because their binding was not active
+        self.restored = 0  # ended bindings whose end or record a failover lost, written again
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until ``stop`` is set, then deregister (best effort)."""
@@ -96,10 +101,12 @@ class FailoverGuard:
 
     async def verify(self, epoch: Epoch) -> bool:
         """Cut the running requests whose binding is not active at the epoch's primary, among
-        those not yet proven in ``epoch``; mark the others proven. False: nothing could be
-        proven (the failover is still under way)."""
+        those not yet proven in ``epoch``; mark the others proven. In a new epoch, also write
+        again the records of bindings this router ended lately that the failover lost. False:
+        nothing could be proven (the failover is still under way)."""
         unproven = {rid: h for rid, h in self.bindings.held().items() if h.epoch != epoch.number}
-        missing = await self.store.failover.prove(epoch, unproven)
+        ended = dict(self.bindings.recent) if self.bindings.epoch != epoch.number else {}
+        missing = await self.store.failover.prove(epoch, [*unproven, *ended])
         if missing is None:
             return False
         for rid, held in unproven.items():
@@ -113,7 +120,40 @@ class FailoverGuard:
             elif held.info is not None:
                 await self._record_lost(held, reason)
             self.cut += self.bindings.cut(rid, reason)
+        for rid, end in ended.items():
+            if rid in missing and rid not in unproven:
+                await self._restore(rid, end, missing[rid])
         return True
+
+    async def _restore(self, rollout_id: str, end: Ended, state: str) -> None:
+        """A binding this router ended, whose end (``state`` 'active') or whole record ('')
+        the failover lost: end it again / write its final record."""
+        i = end.info
+        if state == "active":
+            await self.store.release(
+                rollout_id,
+                i.replica_id,
+                end.state,
+                reason=end.reason,
+                prompt_tokens=end.prompt_tokens,
+                completion_tokens=end.completion_tokens,
+            )
+        elif state == "":
+            await self.store.failover.record_lost(
+                rollout_id,
+                i.replica_id,
+                i.generation,
+                i.label,
+                i.identity_digest,
+                session=end.session,
+                reason=end.reason,
+                state=end.state,
+                prompt_tokens=end.prompt_tokens,
+                completion_tokens=end.completion_tokens,
+            )
+        else:
+            return
+        self.restored += 1
 
     async def _record_lost(self, held: Held, reason: str) -> None:
         info = held.info

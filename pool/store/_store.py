@@ -187,10 +187,13 @@ class RedisStore:
 
         Checks, atomically: the replica is READY, its generation is within ``max_staleness`` of
         the published one and meets the constraints, it has capacity, and the rollout id is new.
-        Writes the binding, the active set, the lease and a journal entry together.
+        Writes the binding, the active set, the lease and a journal entry together. A
+        session's admission is durable like a fenced write (``wait_replicas``): a session lives
+        across many requests, and no router holds it between them, so a failover must not lose
+        it (:class:`~pool.errors.NotReplicated` otherwise; its lease then ends it).
         """
         lease_ms = _ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
-        out = await self._script(
+        out = await (self._durable if session else self._script)(
             self._admit,
             [
                 self.k.replica(replica_id),

@@ -47,6 +47,7 @@ from redis.commands.core import AsyncScript
 
 from pool.errors import StoreUnavailable
 from pool.store import scripts
+from pool.types import BindingState
 
 if TYPE_CHECKING:
     from pool.store._store import RedisStore
@@ -212,9 +213,13 @@ class Failover:
         *,
         session: bool,
         reason: str,
+        state: BindingState = BindingState.ABORTED,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
     ) -> bool:
-        """Record a binding the failover lost as aborted with ``reason``. Returns False if a
-        record exists (it was not lost, or is recorded already)."""
+        """Write the final record of a binding the failover lost (``state``, default aborted,
+        with ``reason``). Returns False if a record exists (it was not lost, or is recorded
+        already)."""
         k = self.store.k
         out = await self.store._script(
             self._lost,
@@ -226,7 +231,10 @@ class Failover:
                 label,
                 identity_digest,
                 int(session),
+                state.value,
                 reason,
+                prompt_tokens,
+                completion_tokens,
                 max(1, int(self.store.settings.binding_retention_s * 1000)),
                 self.store._maxlen,
             ],

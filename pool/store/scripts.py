@@ -270,11 +270,13 @@ return out
 """
 )
 
-# LOST — record a binding a failover lost (its router still ran the request) as aborted, so
-# every rollout a client saw has a record; never overwrites an existing binding.
+# LOST — write the final record of a binding a failover lost (a request its router still ran,
+# or one whose end the old primary confirmed), so every rollout a client saw has a record;
+# never overwrites an existing binding.
 # KEYS[1] binding  KEYS[2] journal  KEYS[3] per-generation outcome counts
 # ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] generation  ARGV[4] label  ARGV[5] identity
-# ARGV[6] session 0|1  ARGV[7] reason  ARGV[8] retention ms  ARGV[9] journal maxlen
+# ARGV[6] session 0|1  ARGV[7] final state  ARGV[8] reason  ARGV[9] prompt tokens
+# ARGV[10] completion tokens  ARGV[11] retention ms  ARGV[12] journal maxlen
 # Returns {'ok'} | {'exists', state}
 LOST = (
     PRELUDE
@@ -282,13 +284,13 @@ LOST = (
 local s = redis.call('HGET', KEYS[1], 'state')
 if s then return {'exists', s} end
 redis.call('HSET', KEYS[1], 'rollout_id', ARGV[1], 'replica_id', ARGV[2], 'generation', ARGV[3],
-  'label', ARGV[4], 'identity_digest', ARGV[5], 'state', 'aborted', 'session', ARGV[6],
-  'created_ms', now, 'finished_ms', now, 'requests', 0, 'prompt_tokens', 0,
-  'completion_tokens', 0, 'reason', ARGV[7])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[8]))
-redis.call('HINCRBY', KEYS[3], ARGV[3] .. ':aborted', 1)
-journal(KEYS[2], ARGV[9], 'type', 'lost', 'rollout', ARGV[1], 'replica', ARGV[2],
-  'reason', ARGV[7])
+  'label', ARGV[4], 'identity_digest', ARGV[5], 'state', ARGV[7], 'session', ARGV[6],
+  'created_ms', now, 'finished_ms', now, 'requests', 0, 'prompt_tokens', ARGV[9],
+  'completion_tokens', ARGV[10], 'reason', ARGV[8])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[11]))
+redis.call('HINCRBY', KEYS[3], ARGV[3] .. ':' .. ARGV[7], 1)
+journal(KEYS[2], ARGV[12], 'type', 'lost', 'rollout', ARGV[1], 'replica', ARGV[2],
+  'state', ARGV[7], 'reason', ARGV[8])
 return {'ok'}
 """
 )

@@ -30,7 +30,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry
 
-from pool.errors import StaleFencingToken, StoreError
+from pool.errors import NotFound, StaleFencingToken, StoreError
 from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore, token_epoch
@@ -207,3 +207,34 @@ async def test_a_renewal_that_finds_the_binding_gone_cuts_the_request(
         assert "ended while the request ran" in e.value.message
     finally:
         await store.close()
+
+
+async def test_a_rollout_whose_admission_and_end_a_failover_lost_gets_its_record_back(
+    group: SentinelGroup, ha_store: RedisStore
+) -> None:
+    """The client has its answer (the old primary confirmed the end), but the new primary has
+    no record of the rollout: the router's guard writes it again, as it ended."""
+    store = ha_store
+    await ready_replica(store)
+    bindings = Bindings(store, RouterMetrics.create(CollectorRegistry()))
+    guard = FailoverGuard(store, bindings)
+    await guard.tick()
+    epoch0 = bindings.epoch
+
+    async def rollout() -> None:
+        adm = await store.admit("ro-done", "r0")
+        with bindings.renewing("ro-done", 30, RolloutInfo.of_admission(adm)):
+            verdict = await bindings.end("ro-done", "r0", BindingState.FINISHED, "", 3, 5)
+        assert verdict.value == "confirmed"
+
+    await lose(group, store, rollout)
+    with pytest.raises(NotFound):
+        await store.binding("ro-done")  # the hole: a delivered rollout without a record
+    for _ in range(100):
+        await guard.tick()
+        if bindings.epoch != epoch0:
+            break
+        await asyncio.sleep(0.1)
+    b = await store.binding("ro-done")
+    assert b.state is BindingState.FINISHED and b.completion_tokens == 5
+    assert guard.restored == 1
