@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 
-from pool.errors import EpochChanged
+from pool.errors import EpochChanged, StoreUnavailable
 from pool.store import Epoch, RedisStore
 
 log = logging.getLogger(__name__)
@@ -34,14 +34,19 @@ log = logging.getLogger(__name__)
 class EpochGate:
     """See the module docstring. Safe for concurrent cycles."""
 
-    def __init__(self, store: RedisStore, poll_s: float = 0.1) -> None:
+    def __init__(
+        self, store: RedisStore, poll_s: float = 0.1, timeout_s: float | None = None
+    ) -> None:
         self.store = store
         self.poll_s = poll_s
+        #: past this (default: 3 x failover_grace_s) ``settled`` gives up: StoreUnavailable
+        self.timeout_s = timeout_s or 3 * store.settings.failover_grace_s
         #: seconds spent waiting for routers, per epoch (reported in bench/redis_failover)
         self.waited_s: dict[int, float] = {}
 
     async def settled(self) -> Epoch:
-        """The current epoch, once every live router has verified it (see the module doc)."""
+        """The current epoch, once it is settled and every live router has verified it (see
+        the module doc); StoreUnavailable after ``timeout_s``."""
         t0 = time.monotonic()
         while True:
             epoch = await self.store.failover.epoch()
@@ -53,6 +58,11 @@ class EpochGate:
                     self.waited_s[epoch.number] = waited
                     log.info("routers verified epoch %d after %.2f s", epoch.number, waited)
                 return epoch
+            if time.monotonic() - t0 > self.timeout_s:
+                raise StoreUnavailable(
+                    f"failover epoch {epoch.number} not settled or not verified by routers "
+                    f"{behind} within {self.timeout_s:g} s"
+                )
             await asyncio.sleep(self.poll_s)
 
     async def unchanged(self, epoch: Epoch) -> None:
