@@ -189,8 +189,12 @@ class Bindings:
 
         ``CONFIRMED``: this call ended the binding, so it was active until now; ``ENDED_ELSEWHERE``:
         someone else (the updater, a reaper, a close) ended it first; ``UNCONFIRMED``: Redis
-        stayed unreachable (the binding is left to its lease and the reaper).
+        stayed unreachable (the binding is left to its lease and the reaper). A binding whose
+        request was cut (:meth:`cut`) ends aborted with the cut's reason.
         """
+        held = self._leases.get(rollout_id)
+        if held is not None and held.cut is not None and state is BindingState.ABORTED:
+            state, reason = BindingState.ABORTED, held.cut
         for attempt, delay in enumerate((0.0, *RELEASE_RETRY_DELAYS_S)):
             if delay:
                 await asyncio.sleep(delay)

@@ -238,3 +238,39 @@ async def test_a_rollout_whose_admission_and_end_a_failover_lost_gets_its_record
     b = await store.binding("ro-done")
     assert b.state is BindingState.FINISHED and b.completion_tokens == 5
     assert guard.restored == 1
+
+
+async def test_a_cut_request_ends_its_binding_with_the_cut_reason(
+    store_settings: StoreSettings,
+) -> None:
+    """A cut cancels the request; its release must say why it was cut (not 'client
+    disconnected', which is what a cancelled request otherwise records)."""
+    store = RedisStore.connect(store_settings)
+    try:
+        await ready_replica(store)
+        adm = await store.admit("ro-2", "r0")
+        bindings = Bindings(store, RouterMetrics.create(CollectorRegistry()))
+        started = asyncio.Event()
+
+        async def handler() -> Any:
+            with bindings.renewing("ro-2", 30, RolloutInfo.of_admission(adm)) as held:
+
+                async def run() -> Any:
+                    try:
+                        started.set()
+                        await asyncio.sleep(60)
+                    except asyncio.CancelledError:  # what run_settled does when cancelled
+                        await bindings.release("ro-2", "r0", BindingState.ABORTED, "client gone")
+                        raise
+
+                return await cuttable(make_mocked_request("POST", "/v1/completions"), held, run())
+
+        task = asyncio.create_task(handler())
+        await started.wait()
+        assert bindings.cut("ro-2", "this router could not reach Redis for 5.0 s") == 1
+        with pytest.raises(BindingEnded):
+            await task
+        b = await store.binding("ro-2")
+        assert b.state is BindingState.ABORTED and b.reason.startswith("this router could not")
+    finally:
+        await store.close()
