@@ -345,7 +345,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     t_start = time.monotonic()
     await asyncio.gather(*(asyncio.to_thread(marker, g) for g in range(MARKERS)))
     group = await asyncio.to_thread(SentinelGroup(workdir / "redis", down_after_ms=1000).start)
-    settings = group.store_settings(NAMESPACE, socket_timeout_s=1.0, failover_grace_s=8.0)
+    settings = group.store_settings(NAMESPACE, socket_timeout_s=1.0, failover_grace_s=10.0)
     store = RedisStore.connect(settings)
     base = marker(0)
     replicas = [
@@ -384,7 +384,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             "ROLLOUTPOOL_REDIS_SENTINEL_SERVICE": settings.sentinel_service,
             "ROLLOUTPOOL_REDIS_WAIT_REPLICAS": "1",
             "ROLLOUTPOOL_REDIS_SOCKET_TIMEOUT_S": "1",
-            "ROLLOUTPOOL_REDIS_FAILOVER_GRACE_S": "8",
+            "ROLLOUTPOOL_REDIS_FAILOVER_GRACE_S": "10",
         }
         router = start_router(port, "redis://unused:1/0", 3.0, env)
         url = f"http://127.0.0.1:{port}"
