@@ -24,12 +24,20 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pool.checkpoint import read_manifest, vocab_size
 from pool.engine import VllmEngine
-from pool.errors import EngineError, PreflightFailed, RolloutPoolError, StoreConflict
+from pool.errors import (
+    EngineError,
+    PreflightFailed,
+    RolloutPoolError,
+    StoreConflict,
+    StoreError,
+    StoreUnavailable,
+)
 from pool.launcher import LocalReplica
 from pool.lifecycle import Lifecycle
 from pool.metrics import UpdaterMetrics
@@ -50,6 +58,7 @@ from updater.transports.preflight import check_provenance, check_weights
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+T = TypeVar("T")
 
 
 def _now_ms() -> int:
@@ -338,7 +347,7 @@ class Updater:
                 if self.coalesce and newer is not None:
                     rec.state, rec.finished_ms = UpdateState.SUPERSEDED, _now_ms()
                     rec.error = f"superseded by g{newer}"
-                    await self.store.save_update(rec)
+                    await self._save(rec)
                     continue
                 await self._roll(rec, update.target)
             except asyncio.CancelledError:
@@ -346,7 +355,7 @@ class Updater:
             except Exception as e:  # the update fails; the worker keeps going
                 log.exception("update %s failed", rec.id)
                 rec.state, rec.error, rec.finished_ms = UpdateState.FAILED, str(e), _now_ms()
-                await self.store.save_update(rec)
+                await self._save(rec)
             finally:
                 self.pending.finish(update)
 
@@ -362,13 +371,13 @@ class Updater:
         )
         await self.store.declare_generation(gen_rec, self.lease.require())
         rec.state, rec.started_ms = UpdateState.RUNNING, _now_ms()
-        await self.store.save_update(rec)
+        await self._save(rec)
         attempted: set[str] = set()
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
         published = False
         while True:
-            records = await self.store.replicas()
-            latest = await self.store.latest()
+            records = await self._retrying(self.store.replicas)
+            latest = await self._retrying(self.store.latest)
             published = latest is not None and latest[0].number >= target.generation.number
             if not running and plan.done(records, target.generation.number):
                 break
@@ -403,20 +412,41 @@ class Updater:
                 del running[rid]
                 report = task.result()
                 rec.replicas[rid] = report
-                await self.store.save_update(rec)
+                await self._save(rec)
                 if report.outcome is not ReplicaOutcome.READY and not published:
                     for t in running.values():
                         await t
                     rec.error = f"{rid}: {report.outcome}: {report.reason}"
                     rec.state, rec.finished_ms = UpdateState.FAILED, _now_ms()
                     self._count("failed")
-                    await self.store.save_update(rec)
+                    await self._save(rec)
                     return
         ok = published and not rec.error
         rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
         rec.finished_ms = _now_ms()
         self._count("succeeded" if ok else "failed")
-        await self.store.save_update(rec)
+        await self._save(rec)
+
+    async def _save(self, rec: UpdateRecord) -> None:
+        """Store an update record; while Redis is away (a failover) the live record in memory
+        stays authoritative (``get``) and the next save catches up, so the worker never dies
+        of an outage."""
+        try:
+            await self.store.save_update(rec)
+        except StoreError as e:
+            log.warning("update %s: record not saved: %s", rec.id, e.message)
+
+    async def _retrying(self, read: Callable[[], Awaitable[T]]) -> T:
+        """A store read, waiting out Redis being unreachable for up to the cycle runner's
+        ``store_retry_s`` (a failover) before the update fails."""
+        deadline = time.monotonic() + self.runner.store_retry_s
+        while True:
+            try:
+                return await read()
+            except StoreUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:
