@@ -219,7 +219,7 @@ async def _pusher(up: Updater, seen: Seen, stop: asyncio.Event) -> None:
         try:
             state = await push(up, g, timeout_s=240)
         except (RolloutPoolError, TimeoutError) as e:
-            state = f"error: {type(e).__name__}"
+            state = f"error: {type(e).__name__}: {str(e)[:120]}"
         seen.updates.append((t0, time.monotonic(), state))
         g += 1
         await asyncio.sleep(0.5)
@@ -273,23 +273,26 @@ async def failover(
     """One failover of ``kind`` (see the module docstring); returns its row."""
     await _until("pool whole", lambda: _pool_whole(store, up), 300, 0.2)
     await asyncio.sleep(p.settle_s)
+    old = group.primary_port()  # read before the moment, so the kill follows it at once
+    epoch_before = max(group.epochs())
     if kind == "draining":
         await _until("a DRAINING replica", lambda: _has(store, {S.DRAINING}), p.condition_timeout_s)
     elif kind == "mid_transition":
         await _until(
-            "a replica mid-update", lambda: _has(store, IN_TRANSITION), p.condition_timeout_s
+            "a replica mid-update",
+            lambda: _in(up, IN_TRANSITION),
+            p.condition_timeout_s,
+            0.005,
         )
     burst = asyncio.create_task(_burst(url)) if kind == "admit_burst" else None
     if burst is not None:
         await asyncio.sleep(0.1)
     token_before = up.lease.token
-    states_at_kill = sorted(str(s) for s in await _states(store))
-    old = group.primary_port()
-    epoch_before = max(group.epochs())
     t_kill = time.monotonic()
-    row: dict[str, Any] = {"kind": kind, "states_at_kill": states_at_kill}
+    row: dict[str, Any] = {"kind": kind}
     if kind == "sigstop":
         group.node(old).signal(signal.SIGSTOP)
+        row["states_at_kill"] = sorted(str(s) for s in await _states(store))
         new, t_promoted = await asyncio.to_thread(group.wait_promoted, old, 60)
         await asyncio.sleep(max(0.0, p.stop_s - (time.monotonic() - t_kill)))
         group.node(old).signal(signal.SIGCONT)
@@ -297,6 +300,8 @@ async def failover(
         row["old_primary_write"] = await asyncio.to_thread(command, old, "SET", key, "x")
     else:
         group.node(old).signal(signal.SIGKILL)
+        # the updater's controllers (the store is gone for now): what the kill interrupted
+        row["states_at_kill"] = sorted({str(m.handle.lc.state) for m in up.replicas.values()})
         new, t_promoted = await asyncio.to_thread(group.wait_promoted, old, 60)
     t_admit = await _until(
         "admitting again",
@@ -328,6 +333,11 @@ async def failover(
 
 async def _admitted_after(seen: Seen, t: float) -> bool:
     return any(ok and when > t for when, ok in reversed(seen.probe))
+
+
+async def _in(up: Updater, states: set[S]) -> bool:
+    """A replica's controller is in ``states`` (no round trip: the kill follows at once)."""
+    return any(m.handle.lc.state in states for m in up.replicas.values())
 
 
 async def _has(store: RedisStore, states: set[S]) -> bool:
