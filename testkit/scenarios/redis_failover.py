@@ -74,28 +74,6 @@ def _marker_of(g: int) -> int:
     return marker_token(g % MARKERS)
 
 
-def cross_generation(rollouts: list[Rollout]) -> list[str]:
-    return [r.id for r in rollouts if any(t != _marker_of(r.generation) for t in r.tokens)]
-
-
-async def push(up: Updater, g: int, timeout_s: float) -> str:
-    rec = await up.submit(
-        UpdateRequest(
-            checkpoint=str(marker(g % MARKERS)),
-            step=g,
-            trainer_run="failover-bench",
-            probe=ProbeSpec(prompt_token_ids=PROBE_PROMPT, expected_token_ids=[_marker_of(g)] * 4),
-        )
-    )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        cur = await up.get(rec.id)
-        if cur.state.value in ("succeeded", "failed", "superseded"):
-            return cur.state.value
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"update to g{g}")
-
-
 IN_TRANSITION = {S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING, S.RESUMING}
 
 
@@ -119,9 +97,39 @@ class Seen:
     statuses: dict[str, int] = field(default_factory=dict)
     probe: list[tuple[float, bool]] = field(default_factory=list)  # (time, admitted)
     updates: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, state
+    markers: dict[int, int] = field(default_factory=lambda: {0: marker_token(0)})
 
     def status(self, what: str) -> None:
         self.statuses[what] = self.statuses.get(what, 0) + 1
+
+
+def cross_generation(rollouts: list[Rollout], markers: dict[int, int]) -> list[str]:
+    """Rollouts with a token that is not the marker of their bound generation (``markers``:
+    generation number -> its checkpoint's marker token, as submitted)."""
+    return [r.id for r in rollouts if any(t != markers.get(r.generation) for t in r.tokens)]
+
+
+async def push(up: Updater, g: int, timeout_s: float, seen: Seen) -> str:
+    """Push the checkpoint of marker ``g % MARKERS``; record which generation number the
+    updater gave it; returns the final state (with the error of a failed update)."""
+    rec = await up.submit(
+        UpdateRequest(
+            checkpoint=str(marker(g % MARKERS)),
+            step=g,
+            trainer_run="failover-bench",
+            probe=ProbeSpec(prompt_token_ids=PROBE_PROMPT, expected_token_ids=[_marker_of(g)] * 4),
+        )
+    )
+    seen.markers[rec.generation] = _marker_of(g)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cur = await up.get(rec.id)
+        if cur.state.value in ("succeeded", "superseded"):
+            return cur.state.value
+        if cur.state.value == "failed":
+            return f"failed: {(cur.error or '')[:100]}"
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"update to g{g}")
 
 
 def _body(rng: random.Random, max_tokens: int) -> dict[str, Any]:
@@ -213,15 +221,14 @@ async def _probe(url: str, seen: Seen, stop: asyncio.Event) -> None:
 
 
 async def _pusher(up: Updater, seen: Seen, stop: asyncio.Event) -> None:
-    g = 1
     while not stop.is_set():
+        g = max(seen.markers) + 1  # the generation number the next submit gets
         t0 = time.monotonic()
         try:
-            state = await push(up, g, timeout_s=240)
+            state = await push(up, g, 240, seen)
         except (RolloutPoolError, TimeoutError) as e:
-            state = f"error: {type(e).__name__}: {str(e)[:120]}"
+            state = f"error: {type(e).__name__}: {str(e)[:100]}"
         seen.updates.append((t0, time.monotonic(), state))
-        g += 1
         await asyncio.sleep(0.5)
 
 
@@ -441,6 +448,9 @@ async def _report(
         r["updates_after"] = sum(
             1 for a, _, s in seen.updates if r["t_kill"] < a < t_next and s == "succeeded"
         )
+        r["updates_failed_after"] = sum(
+            1 for a, _, s in seen.updates if r["t_kill"] < a < t_next and s != "succeeded"
+        )
         after = up.lease.token if i == len(done) - 1 else done[i + 1]["token_before_raw"]
         r["token_after"] = None if after is None else describe_token(after)
         r["fencing_monotonic"] = after is not None and (
@@ -458,7 +468,7 @@ async def _report(
             silently_lost.append(rid)
         elif "lost in a Redis failover" in b.reason:
             recorded_lost += 1
-    bad = cross_generation(seen.rollouts)
+    bad = cross_generation(seen.rollouts, seen.markers)
     for r in done:
         r.pop("t_kill")
         r.pop("token_before_raw")
