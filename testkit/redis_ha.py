@@ -259,15 +259,24 @@ class SentinelGroup:
         port = _wait(f"a primary other than {old_port}", promoted, timeout_s)
         return int(port), time.monotonic()
 
-    def wait_replicas_synced(self, primary_port: int, n: int, timeout_s: float = 60.0) -> None:
+    def wait_replicas_synced(
+        self, primary_port: int | None, n: int, timeout_s: float = 60.0
+    ) -> None:
+        """Until ``n`` replicas are online at ``primary_port`` (None: whichever node the
+        sentinels name as the primary at each check)."""
+
         def synced() -> bool:
-            info = _info(primary_port, "replication")
+            try:
+                port = primary_port if primary_port is not None else self.primary_port()
+            except RolloutPoolError:
+                return False
+            info = _info(port, "replication")
             return (
                 sum(1 for k, v in info.items() if k.startswith("slave") and "state=online" in v)
                 >= n
             )
 
-        _wait(f"{n} replicas in sync with {primary_port}", synced, timeout_s)
+        _wait(f"{n} replicas in sync with {primary_port or 'the primary'}", synced, timeout_s)
 
     def restart(self, port: int, timeout_s: float = 30.0) -> None:
         """Start a stopped node again, as a replica of the current primary."""
