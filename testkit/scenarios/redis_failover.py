@@ -86,6 +86,7 @@ class Params:
     settle_s: float = 4.0  # load between failovers, after the pool is whole again
     stop_s: float = 6.0  # SIGSTOP length (> min-replicas-max-lag)
     condition_timeout_s: float = 90.0
+    down_after_ms: int = 1000  # the sentinels' down-after-milliseconds
 
 
 @dataclass
@@ -362,7 +363,8 @@ def _unavailable_s(probe: list[tuple[float, bool]], t_kill: float, t_end: float)
 async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     t_start = time.monotonic()
     await asyncio.gather(*(asyncio.to_thread(marker, g) for g in range(MARKERS)))
-    group = await asyncio.to_thread(SentinelGroup(workdir / "redis", down_after_ms=1000).start)
+    group = SentinelGroup(workdir / "redis", down_after_ms=p.down_after_ms)
+    await asyncio.to_thread(group.start)
     settings = group.store_settings(NAMESPACE, socket_timeout_s=1.0, failover_grace_s=10.0)
     store = RedisStore.connect(settings)
     base = marker(0)

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 
 
 async def test_failovers_under_load_lose_no_contract(tmp_path: Path) -> None:
-    r = await scenario(Params(per_kind=1, settle_s=2.0), tmp_path)
+    # down-after 2 s: a primary starved of CPU by the two replicas must not fail over by itself
+    r = await scenario(Params(per_kind=1, settle_s=2.0, down_after_ms=2000), tmp_path)
     assert r["failed_to_run"] == []
     assert r["failovers"] == 5
     assert r["cross_generation"] == 0, r["cross_generation_ids"]
