@@ -94,7 +94,7 @@ class Seen:
     """Everything the clients saw."""
 
     rollouts: list[Rollout] = field(default_factory=list)
-    cut: dict[str, str] = field(default_factory=dict)  # rollout id -> code (503 with a rollout)
+    cut: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (code, when)
     statuses: dict[str, int] = field(default_factory=dict)
     probe: list[tuple[float, bool]] = field(default_factory=list)  # (time, admitted)
     updates: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, state
@@ -151,7 +151,7 @@ def _note_cut(seen: Seen, r: httpx.Response) -> None:
         return
     ro = err.get("rollout") or {}
     if isinstance(ro, dict) and ro.get("id"):
-        seen.cut[str(ro["id"])] = str(err.get("code"))
+        seen.cut[str(ro["id"])] = (str(err.get("code")), time.monotonic())
 
 
 async def _one(http: httpx.AsyncClient, rng: random.Random, p: Params, seen: Seen) -> None:
@@ -171,12 +171,14 @@ async def _one(http: httpx.AsyncClient, rng: random.Random, p: Params, seen: See
                 )
                 seen.status(f"session-turn {t.status_code}")
                 if t.status_code != 200:
-                    seen.cut.setdefault(rid, f"turn {t.status_code}")
+                    seen.cut.setdefault(rid, (f"turn {t.status_code}", time.monotonic()))
                     return
                 tokens += t.json()["choices"][0]["token_ids"]
         finally:
             await http.post(f"/v1/rollouts/{rid}/close")
-        seen.rollouts.append(Rollout(rid, "session", int(s["generation"]), tokens, time.time()))
+        seen.rollouts.append(
+            Rollout(rid, "session", int(s["generation"]), tokens, time.monotonic())
+        )
         return
     r = await http.post("/v1/completions", json=_body(rng, p.max_tokens))
     seen.status(f"single {r.status_code}")
@@ -190,7 +192,7 @@ async def _one(http: httpx.AsyncClient, rng: random.Random, p: Params, seen: See
             "single",
             int(data["rollout"]["generation"]),
             data["choices"][0]["token_ids"],
-            time.time(),
+            time.monotonic(),
         )
     )
 
@@ -454,6 +456,10 @@ async def _report(
         r["updates_failed_after"] = sum(
             1 for a, _, s in seen.updates if r["t_kill"] < a < t_next and s != "succeeded"
         )
+        window = [ro for ro in seen.rollouts if r["t_kill"] <= ro.t_end < t_next]
+        r["rollouts_after"] = len(window)
+        r["cross_generation"] = len(cross_generation(window, seen.markers))
+        r["cut_with_reason"] = sum(1 for _, t in seen.cut.values() if r["t_kill"] <= t < t_next)
         after = up.lease.token if i == len(done) - 1 else done[i + 1]["token_before_raw"]
         r["token_after"] = None if after is None else describe_token(after)
         r["fencing_monotonic"] = after is not None and (
@@ -486,7 +492,7 @@ async def _report(
         "silently_lost_ids": silently_lost[:10],
         "still_active_at_end": still_active,
         "cut_with_reason": len(seen.cut),
-        "cut_codes": _count(seen.cut.values()),
+        "cut_codes": _count(code for code, _ in seen.cut.values()),
         "recorded_lost_in_failover": recorded_lost,
         "max_unavailable_s": max((r["unavailable_s"] for r in done), default=None),
         "max_admitting_after_promotion_s": max(
