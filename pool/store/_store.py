@@ -129,12 +129,13 @@ class RedisStore:
                 f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
             ) from e
         except RedisError as e:
-            if str(e).split(" ", 1)[0] in _TRANSIENT:
+            transient = _TRANSIENT.intersection(str(e).replace(":", " ").split())
+            if transient:
                 # a primary that has no replica in sync yet (min-replicas-to-write), a demoted
                 # or loading one, a cluster mid-failover: like an outage, it passes by itself
+                # (pipelines report it as "Command # n (...) of pipeline caused error: ...")
                 raise StoreUnavailable(
-                    f"Redis at {self.settings.safe_url} refuses writes for now "
-                    f"({str(e).split(' ', 1)[0]})"
+                    f"Redis at {self.settings.safe_url} refuses writes for now ({min(transient)})"
                 ) from e
             raise StoreError(f"redis error: {e}") from e
 

@@ -232,7 +232,7 @@ async def _pusher(up: Updater, seen: Seen, stop: asyncio.Event) -> None:
         except (RolloutPoolError, TimeoutError) as e:
             state = f"error: {type(e).__name__}: {str(e)[:100]}"
         seen.updates.append((t0, time.monotonic(), state))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5 if state == "succeeded" else 2.0)
 
 
 async def _until(what: str, check: Any, timeout_s: float, poll_s: float = 0.02) -> float:
@@ -367,7 +367,10 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     await asyncio.gather(*(asyncio.to_thread(marker, g) for g in range(MARKERS)))
     group = SentinelGroup(workdir / "redis", down_after_ms=p.down_after_ms)
     await asyncio.to_thread(group.start)
-    settings = group.store_settings(NAMESPACE, socket_timeout_s=1.0, failover_grace_s=10.0)
+    # every rollout's record is checked at the end: keep them for the whole run
+    settings = group.store_settings(
+        NAMESPACE, socket_timeout_s=1.0, failover_grace_s=10.0, binding_retention_s=7200.0
+    )
     store = RedisStore.connect(settings)
     base = marker(0)
     replicas = [
@@ -407,6 +410,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             "ROLLOUTPOOL_REDIS_WAIT_REPLICAS": "1",
             "ROLLOUTPOOL_REDIS_SOCKET_TIMEOUT_S": "1",
             "ROLLOUTPOOL_REDIS_FAILOVER_GRACE_S": "10",
+            "ROLLOUTPOOL_REDIS_BINDING_RETENTION_S": "7200",
         }
         router = start_router(port, "redis://unused:1/0", 3.0, env)
         url = f"http://127.0.0.1:{port}"
