@@ -278,6 +278,17 @@ class SentinelGroup:
 
         _wait(f"{n} replicas in sync with {primary_port or 'the primary'}", synced, timeout_s)
 
+    def wait_caught_up(self, primary_port: int, timeout_s: float = 10.0) -> None:
+        """Until every replica has acknowledged the primary's whole replication stream."""
+
+        def caught_up() -> bool:
+            info = _info(primary_port, "replication")
+            offset = info.get("master_repl_offset")
+            slaves = [v for k, v in info.items() if k.startswith("slave") and "offset=" in v]
+            return bool(slaves) and all(f"offset={offset}," in v for v in slaves)
+
+        _wait(f"the replicas of {primary_port} to catch up", caught_up, timeout_s)
+
     def restart(self, port: int, timeout_s: float = 30.0) -> None:
         """Start a stopped node again, as a replica of the current primary."""
         node = self.node(port)

@@ -65,7 +65,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
 @pytest.fixture
 async def ha_store(group: SentinelGroup) -> AsyncIterator[RedisStore]:
     settings = group.store_settings(
-        f"f{uuid.uuid4().hex[:8]}", wait_replicas=0, socket_timeout_s=0.5, failover_grace_s=4
+        f"f{uuid.uuid4().hex[:8]}", wait_replicas=0, socket_timeout_s=0.5, failover_grace_s=20
     )
     store = RedisStore.connect(settings)
     yield store
@@ -91,6 +91,7 @@ async def lose(group: SentinelGroup, store: RedisStore, write: Any) -> Any:
     """Run ``write`` on the primary alone, then fail over to a replica that never got it."""
     old = group.primary_port()
     replica = next(n for n in group.nodes if n.port != old)
+    await asyncio.to_thread(group.wait_caught_up, old)  # everything before the write is there
     replica.signal(signal.SIGSTOP)
     try:
         assert command(old, "CLIENT", "KILL", "TYPE", "replica") == "1"
