@@ -8,7 +8,9 @@
     │   └── PostconditionFailed         the evidence does not prove the step's postcondition
     ├── StoreError
     │   ├── StoreUnavailable            Redis unreachable: admissions fail closed
-    │   │   └── StoreBusy               Redis is up, but no pooled connection freed up in time
+    │   │   ├── StoreBusy               Redis is up, but no pooled connection freed up in time
+    │   │   └── NotReplicated           a write reached the primary but not its replicas in time
+    │   ├── EpochChanged                Redis failed over while a step relied on the old primary
     │   ├── StoreConflict               a compare-and-set lost (state moved, stale fencing token)
     │   │   └── StaleFencingToken       the writer no longer holds the updater lease
     │   ├── AdmissionRefused            no admission on this replica (with a machine reason)
@@ -70,6 +72,20 @@ class StoreBusy(StoreUnavailable):
     fine (retry soon), but admissions still fail closed."""
 
     code = "store_busy"
+
+
+class NotReplicated(StoreUnavailable):
+    """A fenced write reached the primary but not ``wait_replicas`` replicas within
+    ``wait_timeout_s``: a failover could still lose it, so nothing may act on it."""
+
+    code = "store_not_replicated"
+
+
+class EpochChanged(StoreError):
+    """Redis failed over (a new failover epoch) between a check and the step that relied on
+    it; the step must not proceed on the old evidence."""
+
+    code = "store_epoch_changed"
 
 
 class StoreConflict(StoreError):

@@ -38,7 +38,10 @@ Progress = Callable[[str], None]
 
 
 class PoolConfig(BaseModel):
-    """``rolloutpool up`` configuration (YAML). ``redis_url`` None = embedded redis-server."""
+    """``rolloutpool up`` configuration (YAML). ``redis_url`` None and no ``redis.sentinels`` =
+    embedded redis-server; ``redis`` holds further :class:`~pool.settings.StoreSettings` fields,
+    e.g. ``{sentinels: [h1:26379, h2:26379, h3:26379], sentinel_service: rolloutpool,
+    wait_replicas: 1}`` for a Redis that fails over (README "Redis that fails over")."""
 
     workdir: Path = Field(default_factory=lambda: default_cache_root() / "pool")
     fresh: bool = False  # wipe the embedded Redis data and checkpoints of earlier runs first
@@ -58,6 +61,24 @@ class PoolConfig(BaseModel):
     enable_scale_out: bool = True
     router: dict[str, Any] = Field(default_factory=dict)  # extra RouterSettings fields
     updater: dict[str, Any] = Field(default_factory=dict)  # extra UpdaterSettings fields
+    redis: dict[str, Any] = Field(default_factory=dict)  # extra StoreSettings fields
+
+    @property
+    def embedded_redis(self) -> bool:
+        """Whether the pool starts its own redis-server (no URL, no sentinels, no cluster)."""
+        return (
+            self.redis_url is None
+            and not self.redis.get("sentinels")
+            and not self.redis.get("cluster")
+        )
+
+    def store_settings(self, embedded_url: str | None = None) -> StoreSettings:
+        """The store settings of the pool (``embedded_url``: the embedded server's URL)."""
+        extra = dict(self.redis)
+        url = self.redis_url or embedded_url
+        if url is not None:
+            extra["url"] = url
+        return StoreSettings(namespace=self.namespace, **extra)
 
     @field_validator("provider")
     @classmethod
@@ -93,13 +114,12 @@ class EmbeddedPool:
             for sub in ("redis", "ckpts"):
                 await asyncio.to_thread(shutil.rmtree, c.workdir / sub, True)
         c.workdir.mkdir(parents=True, exist_ok=True)
-        if c.redis_url is None:
+        embedded_url = None
+        if c.embedded_redis:
             self.say("starting redis-server (AOF, appendfsync everysec)")
             self.redis = await asyncio.to_thread(RedisServer(c.workdir / "redis").start)
-            redis_url = self.redis.url
-        else:
-            redis_url = c.redis_url
-        store_settings = StoreSettings(url=redis_url, namespace=c.namespace)
+            embedded_url = self.redis.url
+        store_settings = c.store_settings(embedded_url)
 
         if c.model is None:
             self.say("building the tiny model locally (cached after the first run)")

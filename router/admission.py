@@ -23,6 +23,11 @@ generation (the cached view may predate a publish). ``StoreUnavailable`` propaga
 closed). A session refused by its client's quota (``Terms.quota``, counted by the ADMIT script)
 raises :class:`~router.errors.QuotaExceeded` (429) at once.
 
+Failover: nothing is admitted until the router's failover guard has verified an epoch
+(:attr:`Bindings.epoch`; :mod:`router.failover`), and an admission whose ADMIT straddled a new
+epoch is read back from the current primary before it is used (a failover may have lost it:
+then it counts as refused, ``lost_in_failover``, and the next candidate is tried).
+
 Cancellation: if the caller is cancelled while an ADMIT script is in flight, the script is
 allowed to finish (``asyncio.shield``) and a binding it created is released in the background
 as ``aborted`` (``client disconnected``), so a cancelled admission leaves nothing behind.
@@ -41,7 +46,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pool.errors import AdmissionRefused, StoreUnavailable
+from pool.errors import AdmissionRefused, NotFound, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Admission, RedisStore, Terms
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
@@ -328,6 +333,7 @@ def candidates(
 class Admitted:
     admission: Admission
     replica: ReplicaRecord
+    epoch: int | None = None  # the failover epoch the ADMIT was sent in
 
 
 class Admitter:
@@ -375,12 +381,16 @@ class Admitter:
             while True:
                 snap = await self.view.get(fresh=fresh)
                 await self._satisfiable(snap, constraints)
-                for r in candidates(self.view, snap, constraints, self.max_staleness, key, accept):
+                order = candidates(self.view, snap, constraints, self.max_staleness, key, accept)
+                for r in order if self.bindings.epoch is not None else []:
                     self.view.reserve(r.replica_id)
+                    epoch = self.bindings.epoch
                     try:
                         adm = await self._admit_one(
                             rollout_id, r.replica_id, constraints, session, lease_s, terms
                         )
+                        if self.bindings.epoch != epoch:
+                            await self._still_bound(rollout_id, r.replica_id)
                     except AdmissionRefused as e:
                         if e.reason == "client_quota":
                             raise self._over_quota(terms) from e
@@ -392,7 +402,7 @@ class Admitter:
                         self.view.session_admitted(r.replica_id)
                     self.metrics.admissions.labels(r.replica_id).inc()
                     self.metrics.admission_latency.observe(time.monotonic() - t0)
-                    return Admitted(adm, r)
+                    return Admitted(adm, r, epoch)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._unavailable(snap, constraints, refusals)
@@ -458,6 +468,16 @@ class Admitter:
             task.add_done_callback(self._undo)
             raise
 
+    async def _still_bound(self, rollout_id: str, replica_id: str) -> None:
+        """AdmissionRefused(``lost_in_failover``) unless the binding is active at the current
+        primary (the epoch moved while its ADMIT was in flight)."""
+        try:
+            active = (await self.store.binding(rollout_id)).state is BindingState.ACTIVE
+        except NotFound:
+            active = False
+        if not active:
+            raise AdmissionRefused("lost_in_failover", replica=replica_id)
+
     def _undo(self, task: asyncio.Future[Admission]) -> None:
         """Release a binding whose admission finished after its caller was cancelled."""
         if task.cancelled() or task.exception() is not None:
@@ -473,7 +493,9 @@ class Admitter:
         self, snap: PoolSnapshot, c: Constraints, refusals: Mapping[str, str]
     ) -> NoReplicaAvailable:
         states = {r.replica_id: str(r.state) for r in snap.replicas}
-        if snap.latest is None:
+        if self.bindings.epoch is None:
+            why = "this router has not verified the failover epoch yet (Redis unreachable?)"
+        elif snap.latest is None:
             why = "no generation has been published yet"
         elif not snap.replicas:
             why = "no replica is registered"

@@ -12,8 +12,10 @@ starts and torn down in reverse order when it stops:
 3. **background** — the reaper, calling ``store.reap_expired()`` every ``reaper_interval_s``:
    bindings whose lease ran out (their router died) are aborted with "lease expired" (many
    routers may reap at once; each binding is released exactly once; errors are logged and
-   retried next tick); and the lease renewer of this router's in-flight requests
-   (:meth:`Bindings.renew_forever`, ticking every sixth of the shortest lease, at most 1 s).
+   retried next tick); the lease renewer of this router's in-flight requests
+   (:meth:`Bindings.renew_forever`, ticking every sixth of the shortest lease, at most 1 s);
+   and the :class:`~router.failover.FailoverGuard` (verifies in-flight bindings in every new
+   failover epoch, reports to the updater; the router admits only once it has run).
 
 Middlewares, outermost first: JSON errors (the HTTP kit's, :mod:`pool.web.errors`), request
 timing (``rolloutpool_request_seconds``), auth (:mod:`router.auth`), optional rate limit. Only
@@ -52,10 +54,12 @@ from router import openapi, proxy, sessions, status
 from router.admission import Admitter, ReplicaView
 from router.auth import rate_limit_middleware, router_auth
 from router.bindings import Bindings
+from router.failover import FailoverGuard
 from router.keys import (
     ADMITTER,
     BINDINGS,
     CATALOG,
+    GUARD,
     HTTP,
     IN_FLIGHT,
     METRICS,
@@ -96,6 +100,7 @@ def _store_ctx(
         view = ReplicaView(store, settings.replica_view_ttl_s)
         bindings = Bindings(store, metrics)
         app[STORE], app[VIEW], app[BINDINGS] = store, view, bindings
+        app[GUARD] = FailoverGuard(store, bindings, metrics)
         app[ADMITTER] = Admitter(
             store,
             view,
@@ -134,14 +139,17 @@ async def _reap_forever(store: RedisStore, interval_s: float, stop: asyncio.Even
 
 
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The reaper and the lease renewer; both stop on a flag (see :mod:`router.bindings`)."""
+    """The reaper, the lease renewer and the failover guard; all stop on a flag (see
+    :mod:`router.bindings`)."""
     settings = app[SETTINGS]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    await app[GUARD].tick()  # admissions wait for it: one round before serving (fails fast)
     tick_s = min(1.0, settings.request_lease_s / 6, sessions.session_lease_s(settings) / 6)
     tasks = [
         loop.create_task(_reap_forever(app[STORE], settings.reaper_interval_s, stop)),
         loop.create_task(app[BINDINGS].renew_forever(tick_s, stop)),
+        loop.create_task(app[GUARD].run(stop)),
     ]
     app[REAPER] = tasks[0]
     yield

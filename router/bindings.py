@@ -14,6 +14,12 @@ Contracts:
   third of the lease has passed, by one background loop for all requests), so only the bindings
   of a *dead* router expire. Renewal stops when the request ends (a touch already in flight may
   still extend the lease once) or the binding has ended.
+* A request whose binding ends under it is **cut** (:meth:`Bindings.cut`): a renewal that finds
+  the binding gone (an updater abort, the reaper, a session close) or the failover guard
+  (:mod:`router.failover`: a binding a Redis failover lost) cancels the request's task unless
+  it has begun settling, and :func:`router.failover.cuttable` turns that into a 503 with the
+  reason (an SSE error event on a stream); closing the upstream response makes vLLM abort the
+  generation, so nothing keeps running on a binding nobody can prove.
 * :meth:`Bindings.close` (app shutdown) waits for pending releases, then cancels what is left.
 
 **Cancellation and redis-py.** A cancellation that arrives while redis-py (8.1, Python 3.11) is
@@ -30,8 +36,9 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -39,12 +46,17 @@ from pool.errors import NotFound, StoreConflict, StoreError
 from pool.metrics import RouterMetrics
 from pool.store import RedisStore
 from pool.types import BindingState
+from router.provenance import RolloutInfo
 
 log = logging.getLogger("router")
 T = TypeVar("T")
 
 RELEASE_RETRY_DELAYS_S = (0.05, 0.25, 1.0)
 DEFAULT_REASON = "router error"
+#: How long this router remembers a binding it ended, so that the failover guard can write its
+#: record again if a failover lost the end (or the whole binding); longer than any replication
+#: lag the primary tolerates (min-replicas-max-lag) plus the time to notice a failover.
+RECENT_S = 60.0
 
 
 @dataclass
@@ -93,6 +105,9 @@ class Settlement:
 
     async def __call__(self, outcome: Outcome) -> Settled:
         if self.verdict is None:
+            task = asyncio.current_task()
+            if task is not None:
+                _SETTLING.add(task)  # from here on, the request is not cut (see Bindings.cut)
             self.verdict = Settled.UNCONFIRMED  # if the call below is cancelled
             self.verdict = await self._fn(outcome)
         return self.verdict
@@ -111,11 +126,35 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+@dataclass(frozen=True)
+class Ended:
+    """A binding this router ended (confirmed), kept :data:`RECENT_S` for the failover guard."""
+
+    info: RolloutInfo
+    session: bool
+    state: BindingState
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    at: float  # monotonic
+
+
+#: Request tasks that have begun settling their binding: never cut (their answer is decided).
+_SETTLING: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+
+
 @dataclass
-class _Lease:
+class Held:
+    """One binding held by this router's running requests (see :meth:`Bindings.renewing`)."""
+
     lease_s: float
     renewed: float  # monotonic time of the admission or last renewal
+    info: RolloutInfo | None = None
+    session: bool = False
+    epoch: int | None = None  # the failover epoch in which the binding was last proven
+    cut: str | None = None  # why its requests were cut, once they were
     users: int = 0
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
 class Bindings:
@@ -123,7 +162,12 @@ class Bindings:
         self.store = store
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Held] = {}
+        #: The failover epoch this router last verified its bindings in (None: not yet);
+        #: maintained by :class:`router.failover.FailoverGuard`.
+        self.epoch: int | None = None
+        #: Bindings this router ended in the last RECENT_S seconds (oldest first).
+        self.recent: dict[str, Ended] = {}
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run ``coro`` in a task the router keeps a reference to until it finishes."""
@@ -145,8 +189,12 @@ class Bindings:
 
         ``CONFIRMED``: this call ended the binding, so it was active until now; ``ENDED_ELSEWHERE``:
         someone else (the updater, a reaper, a close) ended it first; ``UNCONFIRMED``: Redis
-        stayed unreachable (the binding is left to its lease and the reaper).
+        stayed unreachable (the binding is left to its lease and the reaper). A binding whose
+        request was cut (:meth:`cut`) ends aborted with the cut's reason.
         """
+        held = self._leases.get(rollout_id)
+        if held is not None and held.cut is not None and state is BindingState.ABORTED:
+            state, reason = BindingState.ABORTED, held.cut
         for attempt, delay in enumerate((0.0, *RELEASE_RETRY_DELAYS_S)):
             if delay:
                 await asyncio.sleep(delay)
@@ -162,7 +210,11 @@ class Bindings:
                 if not released and attempt > 0:  # maybe our own earlier, unanswered attempt
                     b = await self.store.binding(rollout_id)
                     released = b.state is state and b.reason == reason
-            except (NotFound, StoreConflict) as e:
+            except NotFound as e:
+                log.error("release of %s failed: %s", rollout_id, e.message)
+                await self._record_missing(rollout_id)
+                return Settled.ENDED_ELSEWHERE
+            except StoreConflict as e:
                 log.error("release of %s failed: %s", rollout_id, e.message)
                 return Settled.ENDED_ELSEWHERE
             except StoreError as e:
@@ -172,6 +224,7 @@ class Bindings:
                 continue
             if not released:
                 return Settled.ENDED_ELSEWHERE
+            self._remember(rollout_id, state, reason, prompt_tokens, completion_tokens)
             self.metrics.rollouts_ended.labels(state.value).inc()
             if state is not BindingState.FINISHED:
                 log.info("rollout %s on %s %s: %s", rollout_id, replica_id, state, reason)
@@ -182,6 +235,39 @@ class Bindings:
             rollout_id,
         )
         return Settled.UNCONFIRMED
+
+    def _remember(
+        self, rollout_id: str, state: BindingState, reason: str, prompt: int, completion: int
+    ) -> None:
+        held = self._leases.get(rollout_id)
+        now = time.monotonic()
+        while self.recent:
+            oldest = next(iter(self.recent))
+            if now - self.recent[oldest].at < RECENT_S:
+                break
+            del self.recent[oldest]
+        if held is not None and held.info is not None:
+            self.recent[rollout_id] = Ended(
+                held.info, held.session, state, reason, prompt, completion, now
+            )
+
+    async def _record_missing(self, rollout_id: str) -> None:
+        """The binding of a request this router runs has no record at all: a failover lost it.
+        Record it as aborted with that reason (best effort)."""
+        held = self._leases.get(rollout_id)
+        if held is None or held.info is None:
+            return
+        i = held.info
+        with contextlib.suppress(StoreError):
+            await self.store.failover.record_lost(
+                rollout_id,
+                i.replica_id,
+                i.generation,
+                i.label,
+                i.identity_digest,
+                session=held.session,
+                reason="its binding was lost in a Redis failover before the request ended",
+            )
 
     async def release(
         self,
@@ -199,8 +285,18 @@ class Bindings:
         return await asyncio.shield(task)
 
     @contextlib.contextmanager
-    def renewing(self, rollout_id: str, lease_s: float) -> Iterator[None]:
-        """Keep the binding's lease alive for the duration of the block.
+    def renewing(
+        self,
+        rollout_id: str,
+        lease_s: float,
+        info: RolloutInfo | None = None,
+        *,
+        session: bool = False,
+        epoch: int | None = None,
+    ) -> Iterator[Held]:
+        """Keep the binding's lease alive for the duration of the block; the block's task may
+        be cut (:meth:`cut`). ``epoch``: the failover epoch in which the binding was admitted
+        (default: the current one); ``info`` lets the failover guard record a lost binding.
 
         Costs a dict entry: one background loop (:meth:`renew_forever`) renews every binding in
         flight once a third of its lease has passed. Nested blocks for one rollout (concurrent
@@ -208,14 +304,41 @@ class Bindings:
         """
         entry = self._leases.get(rollout_id)
         if entry is None:
-            entry = self._leases[rollout_id] = _Lease(lease_s, time.monotonic())
+            entry = self._leases[rollout_id] = Held(
+                lease_s, time.monotonic(), info, session, self.epoch if epoch is None else epoch
+            )
+        task = asyncio.current_task()
         entry.users += 1
+        if task is not None:
+            entry.tasks.add(task)
         try:
-            yield
+            yield entry
         finally:
             entry.users -= 1
+            if task is not None:
+                entry.tasks.discard(task)
             if entry.users == 0 and self._leases.get(rollout_id) is entry:
                 del self._leases[rollout_id]
+
+    def held(self) -> dict[str, Held]:
+        """The bindings of the requests running now (a copy)."""
+        return dict(self._leases)
+
+    def cut(self, rollout_id: str, reason: str) -> int:
+        """Cut the running requests of ``rollout_id`` (their binding ended or cannot be proven):
+        cancel their tasks, except those that have begun settling. Returns how many were cut."""
+        entry = self._leases.get(rollout_id)
+        if entry is None:
+            return 0
+        entry.cut = entry.cut or reason
+        n = 0
+        for task in list(entry.tasks):
+            if task not in _SETTLING and not task.done():
+                task.cancel(f"binding cut: {reason}")
+                n += 1
+        if n:
+            log.warning("rollout %s: %d request(s) cut: %s", rollout_id, n, reason)
+        return n
 
     async def renew_forever(self, tick_s: float, stop: asyncio.Event) -> None:
         """Renew due leases every ``tick_s`` until ``stop`` is set (a flag, not cancellation).
@@ -237,8 +360,8 @@ class Bindings:
                 log.warning("lease renewal of %d binding(s) failed: %s", len(due), e.message)
                 continue
             for rid, entry in due.items():
-                if rid in gone:
-                    self._leases.pop(rid, None)  # ended meanwhile
+                if rid in gone:  # ended under the request: stop generating for nobody
+                    self.cut(rid, "the rollout's binding was ended while the request ran")
                 else:
                     entry.renewed = now
 

@@ -18,6 +18,7 @@ from pool.metrics import RouterMetrics
 from pool.web import POOL_GAUGES, REGISTRY, STORE
 from router.admission import Admitter, ReplicaView
 from router.bindings import Bindings
+from router.failover import FailoverGuard
 from router.limits import InFlight
 from router.settings import RouterSettings
 from router.upstream import ReplicaCatalog
@@ -31,11 +32,13 @@ HTTP = web.AppKey("http", aiohttp.ClientSession)
 CATALOG = web.AppKey("catalog", ReplicaCatalog)
 REAPER = web.AppKey("reaper", asyncio.Task[None])
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
+GUARD = web.AppKey("guard", FailoverGuard)
 
 __all__ = [
     "ADMITTER",
     "BINDINGS",
     "CATALOG",
+    "GUARD",
     "HTTP",
     "IN_FLIGHT",
     "METRICS",

@@ -44,6 +44,8 @@ no byte for ``upstream_timeout_s``          ``aborted``; 504 (or an SSE error ev
 past ``request_deadline_s`` (for a          ``aborted`` with the reason; 504
 session's request: or its maximum age)      ``deadline_exceeded`` (or an SSE error event)
 binding ended under the request            (left as ended); 503 ``binding_ended``
+binding ended or lost while it runs         cut at once (router.failover): 503
+                                            ``binding_lost`` (or an SSE error event)
 client disconnected                         ``aborted`` "client disconnected"; the upstream
                                             connection is closed, so vLLM aborts the request
 a stream the client does not read for       ``aborted`` "client stopped reading: ..."; both
@@ -92,6 +94,7 @@ from router import limits, sessions
 from router.admission import Constraints, affinity_key
 from router.bindings import DEFAULT_REASON, Outcome, Settled, Settlement, shielded
 from router.errors import BindingEnded, RouterError, UpstreamError, UpstreamTimeout
+from router.failover import STREAM, cuttable
 from router.keys import (
     ADMITTER,
     BINDINGS,
@@ -177,8 +180,10 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
             request, session_id, constraints, accept
         )
         target = Target(info, replica, deadline.capped(ends_ms))
-        with app[BINDINGS].renewing(info.rollout_id, sessions.session_lease_s(settings)):
-            return await run_settled(request, target, body, model, settle)
+        lease_s = sessions.session_lease_s(settings)
+        with app[BINDINGS].renewing(info.rollout_id, lease_s, info, session=True) as held:
+            run = run_settled(request, target, body, model, settle)
+            return await cuttable(request, held, run)
 
 
 async def _single(
@@ -222,8 +227,10 @@ async def _single(
             view.finished(replica.replica_id)
 
     target = Target(RolloutInfo.of_admission(adm), replica, deadline)
-    with bindings.renewing(rollout_id, settings.request_lease_s):
-        return await run_settled(request, target, body, model, Settlement(release))
+    lease_s = settings.request_lease_s
+    with bindings.renewing(rollout_id, lease_s, target.info, epoch=admitted.epoch) as held:
+        run = run_settled(request, target, body, model, Settlement(release))
+        return await cuttable(request, held, run)
 
 
 async def run_settled(
@@ -644,6 +651,7 @@ async def _stream(
     )
     await out.prepare(request)
     write_timeout = request.app[SETTINGS].client_write_timeout_s
+    request[STREAM] = out  # a cut ends the stream with an error event (router.failover)
 
     async def send(payload: bytes | None) -> None:
         """Write one event; a client that does not take it within ``write_timeout`` (it

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run): installs what it needs, then runs the checks,
 # the unit suite and the integration suite (real redis-server + real vLLM CPU replicas).
-# GPU tests (-m gpu) are never collected here. Needs root for apt (redis-server, chromium).
+# GPU tests (-m gpu) are never collected here. Needs root for apt (redis-server, redis-sentinel, chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=""
 command -v redis-server >/dev/null || need="$need redis-server"
+command -v redis-sentinel >/dev/null || need="$need redis-sentinel"   # the failover tests
 command -v chromium >/dev/null || need="$need chromium"   # the dashboard test renders in it
 if [ -n "$need" ]; then
   apt-get update -qq && apt-get install -y -qq $need >/dev/null

@@ -8,7 +8,10 @@ For one replica and one target generation::
                              ``wait``) or not at all (``abort``); what is left is aborted with
                              a reason (marked aborted in its provenance, never lost)
     POST /pause?clear_cache=false   DrainEvidence: store closed + 0 active; engine paused, idle
-    DRAINING -> QUIESCED -> UPDATING            (the store refuses both with active bindings: I2)
+    DRAINING -> QUIESCED
+    wait until every router verified the failover epoch (updater.failover, when a gate is set)
+    QUIESCED -> UPDATING     (the store refuses both with active bindings: I2); the epoch must
+                             not have moved since the routers' check
     transfer                 under its deadline (I5)
     UPDATING -> INVALIDATING reset prefix (body checked) + mm + encoder caches
     INVALIDATING -> VALIDATING  compare the sender's checksums with the replica's (where the
@@ -46,7 +49,7 @@ from pydantic import BaseModel, Field
 from pool.checksum import compare as compare_checksums
 from pool.checksum import from_json as checksums_from_json
 from pool.engine import VllmEngine
-from pool.errors import LifecycleError, RolloutPoolError, StoreConflict
+from pool.errors import LifecycleError, RolloutPoolError, StoreConflict, StoreUnavailable
 from pool.evidence import (
     BootstrapEvidence,
     ChecksumEvidence,
@@ -67,8 +70,9 @@ from pool.evidence import (
 from pool.lifecycle import Lifecycle, advance
 from pool.records import ReplicaOutcome, ReplicaReport
 from pool.store import RedisStore, UpdaterLease
-from pool.types import Generation, Manifest, ReplicaState, WeightIdentity
+from pool.types import Generation, Manifest, ReplicaRecord, ReplicaState, WeightIdentity
 from updater.deadline import bounded
+from updater.failover import EpochGate
 from updater.transports.base import Transport, WeightsTarget
 
 log = logging.getLogger(__name__)
@@ -203,6 +207,8 @@ class CycleRunner:
         drain_timeout_s: float = 300.0,
         drain_poll_s: float = 0.02,
         validator: Validator | None = None,
+        gate: EpochGate | None = None,
+        store_retry_s: float = 15.0,
     ) -> None:
         self.store = store
         self.lease = lease
@@ -215,6 +221,11 @@ class CycleRunner:
         #: has its caches reset; admissions stay closed. Default: :meth:`probe_validate` (label +
         #: greedy probe). A GPU harness on bf16 weights plugs in a teacher-forced log-prob check.
         self.validate: Validator = validator or self.probe_validate
+        #: Stands before every transfer when Redis can fail over (:mod:`updater.failover`).
+        self.gate = gate
+        #: How long a commit or a read waits out Redis being unreachable (a failover) before
+        #: the step fails; bounded anyway by the lease's local deadline.
+        self.store_retry_s = store_retry_s
 
     # ------------------------------------------------------------------ engine steps
 
@@ -242,7 +253,9 @@ class CycleRunner:
 
         Raises :class:`LifecycleError` (nothing written) if the controller refuses, and
         :class:`StoreConflict` if the store moved under us; a replica found TAINTED by someone
-        else (a router's violation check, the health checker) is adopted as TAINTED.
+        else (a router's violation check, the health checker) is adopted as TAINTED. While
+        Redis is unreachable (a failover) the commit is retried for up to ``store_retry_s``:
+        the record read back afterwards tells a CAS that landed from one that did not.
         """
         before = h.lc
         after = advance(before, event)
@@ -256,16 +269,51 @@ class CycleRunner:
             )
         if after.state is S.DRAINING and after.target is not None:
             kw.update(target=after.target, target_identity=after.target_identity or "")
-        try:
-            await self.store.transition(
-                h.replica_id, self.lease.require(), before.state, after.state, **kw
-            )
-        except StoreConflict:
+        deadline = time.monotonic() + self.store_retry_s
+        while True:
+            token = self.lease.require()
+            try:
+                await self.store.transition(h.replica_id, token, before.state, after.state, **kw)
+                break
+            except StoreUnavailable:
+                # Redis failing over: the CAS may or may not have landed (or been lost). Once
+                # Redis answers again, the record says which: ours (same state, our token) is
+                # done, the old state is retried, anything else is a conflict below.
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
+                try:
+                    rec = await self.store.replica(h.replica_id)
+                except StoreUnavailable:
+                    continue
+                if rec.state is after.state and rec.fence == token:
+                    break
+                if rec.state is before.state:
+                    continue
+                exc: StoreConflict = StoreConflict(
+                    f"replica {h.replica_id} is {rec.state}, expected {before.state}",
+                    replica=h.replica_id,
+                    state=rec.state,
+                )
+            except StoreConflict as e:
+                exc = e
             rec = await self.store.replica(h.replica_id)
             if rec.state is S.TAINTED:
                 h.lc = replace(before, state=S.TAINTED, reason=rec.reason)
-            raise
+            raise exc
         h.lc = after
+
+    async def read(self, h: ReplicaHandle) -> ReplicaRecord:
+        """The replica's record, waiting out Redis being unreachable for up to
+        ``store_retry_s`` (a failover)."""
+        deadline = time.monotonic() + self.store_retry_s
+        while True:
+            try:
+                return await self.store.replica(h.replica_id)
+            except StoreUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     async def _taint(self, h: ReplicaHandle, step: str, exc: BaseException) -> None:
         """Move the replica to TAINTED (I4) after an ambiguous failure of ``step``."""
@@ -346,7 +394,7 @@ class CycleRunner:
                     mutating=False,
                 )
                 running = (await h.engine.metrics()).requests_running
-                rec = await self.store.replica(h.replica_id)
+                rec = await self.read(h)
                 drained = DrainEvidence(
                     admissions_closed=rec.state is S.DRAINING,
                     active_bindings=rec.active,
@@ -360,9 +408,18 @@ class CycleRunner:
                 raise await self._cancel(h, report, "pause", e, paused=True) from e
         quiesced_at = time.monotonic()
 
+        epoch = None
+        if self.gate is not None:
+            async with timer("routers"):
+                try:  # no mutation yet: a failure here cancels like one in the pause step
+                    epoch = await self.gate.settled()
+                except Exception as e:
+                    raise await self._cancel(h, report, "failover check", e, paused=True) from e
         step = "transfer"
         try:
             await self.commit(h, TransferStarted(t.identity.digest))
+            if self.gate is not None and epoch is not None:
+                await self.gate.unchanged(epoch)
             async with timer("transfer"):
                 ev = await self._engine(
                     "transfer",
@@ -405,7 +462,7 @@ class CycleRunner:
         wait_s = self.drain_timeout_s if self.drain_policy is DrainPolicy.WAIT else 0.0
         deadline = time.monotonic() + wait_s
         while True:
-            rec = await self.store.replica(h.replica_id)
+            rec = await self.read(h)
             if rec.state is S.TAINTED:
                 h.lc = replace(h.lc, state=S.TAINTED, reason=rec.reason)
                 report.outcome = ReplicaOutcome.TAINTED

@@ -29,12 +29,20 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pool.checkpoint import read_manifest, vocab_size
 from pool.engine import VllmEngine
-from pool.errors import EngineError, PreflightFailed, RolloutPoolError, StoreConflict
+from pool.errors import (
+    EngineError,
+    PreflightFailed,
+    RolloutPoolError,
+    StoreConflict,
+    StoreError,
+    StoreUnavailable,
+)
 from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.metrics import UpdaterMetrics
@@ -44,6 +52,7 @@ from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentit
 from updater import plan
 from updater.api import UpdateRequest
 from updater.cycle import CycleError, CycleRunner, Probe, ReplicaHandle, UpdateTarget
+from updater.failover import EpochGate
 from updater.pending import PendingUpdate, PendingUpdates
 from updater.providers import registry as providers
 from updater.providers.base import ReplicaProvider
@@ -56,6 +65,7 @@ from updater.transports.preflight import check_provenance, check_weights
 
 log = logging.getLogger(__name__)
 S = ReplicaState
+T = TypeVar("T")
 
 
 def _now_ms() -> int:
@@ -91,6 +101,7 @@ class Updater:
             deadlines=settings.deadlines,
             drain_policy=settings.drain_policy,
             drain_timeout_s=settings.drain_timeout_s,
+            gate=EpochGate(store),
         )
         self.provider = provider if provider is not None else providers.create(settings)
         self.replicas: dict[str, ManagedReplica] = {}
@@ -358,7 +369,7 @@ class Updater:
                 if self.coalesce and newer is not None:
                     rec.state, rec.finished_ms = UpdateState.SUPERSEDED, _now_ms()
                     rec.error = f"superseded by g{newer}"
-                    await self.store.save_update(rec)
+                    await self._save(rec)
                     continue
                 await self._roll(rec, update.target)
             except asyncio.CancelledError:
@@ -366,7 +377,7 @@ class Updater:
             except Exception as e:  # the update fails; the worker keeps going
                 log.exception("update %s failed", rec.id)
                 rec.state, rec.error, rec.finished_ms = UpdateState.FAILED, str(e), _now_ms()
-                await self.store.save_update(rec)
+                await self._save(rec)
             finally:
                 self.pending.finish(update)
 
@@ -382,13 +393,13 @@ class Updater:
         )
         await self.store.declare_generation(gen_rec, self.lease.require())
         rec.state, rec.started_ms = UpdateState.RUNNING, _now_ms()
-        await self.store.save_update(rec)
+        await self._save(rec)
         attempted: set[str] = set()
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
         published = False
         while True:
-            records = await self.store.replicas()
-            latest = await self.store.latest()
+            records = await self._retrying(self.store.replicas)
+            latest = await self._retrying(self.store.latest)
             published = latest is not None and latest[0].number >= target.generation.number
             if published and rec.published_ms is None:
                 rec.published_ms = _now_ms()
@@ -432,14 +443,14 @@ class Updater:
                 del running[rid]
                 report = task.result()
                 rec.replicas[rid] = report
-                await self.store.save_update(rec)
+                await self._save(rec)
                 if report.outcome is not ReplicaOutcome.READY and not published:
                     for t in running.values():
                         await t
                     rec.error = f"{rid}: {report.outcome}: {report.reason}"
                     rec.state, rec.finished_ms = UpdateState.FAILED, _now_ms()
                     self._count("failed")
-                    await self.store.save_update(rec)
+                    await self._save(rec)
                     return
         ok = published and not rec.error
         rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
@@ -447,7 +458,28 @@ class Updater:
         self._count("succeeded" if ok else "failed")
         if self.metrics is not None and rec.staleness_window_s is not None:
             self.metrics.staleness_window.observe(rec.staleness_window_s)
-        await self.store.save_update(rec)
+        await self._save(rec)
+
+    async def _save(self, rec: UpdateRecord) -> None:
+        """Store an update record; while Redis is away (a failover) the live record in memory
+        stays authoritative (``get``) and the next save catches up, so the worker never dies
+        of an outage."""
+        try:
+            await self.store.save_update(rec)
+        except StoreError as e:
+            log.warning("update %s: record not saved: %s", rec.id, e.message)
+
+    async def _retrying(self, read: Callable[[], Awaitable[T]]) -> T:
+        """A store read, waiting out Redis being unreachable for up to the cycle runner's
+        ``store_retry_s`` (a failover) before the update fails."""
+        deadline = time.monotonic() + self.runner.store_retry_s
+        while True:
+            try:
+                return await read()
+            except StoreUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

@@ -7,6 +7,9 @@ recovery holds (its ``lock`` is free):
   (taint, abort its active bindings with a reason) and recover;
 * found mid-update with no cycle running (a step cut off, e.g. by a Redis outage) → its engine
   state is unknown: taint and recover;
+* its store record disagrees with the controller (state, or generation when READY) with no
+  cycle running: a transition the controller made was lost (a Redis failover) → taint and
+  recover, since neither side can be trusted;
 * READY: the provider does not know its process to be gone
   (:meth:`~updater.providers.base.ReplicaProvider.alive`) and ``/health`` answers within
   ``health_timeout_s``; after ``health_failures`` misses in a row, or a process known gone, →
@@ -55,6 +58,16 @@ WAITING_FOR_RESTART = (
     "waiting for a new server process: restart this replica through its orchestrator "
     "(e.g. delete its pod); the updater cannot restart a replica it did not launch"
 )
+
+
+def _agrees(m: ManagedReplica, rec: ReplicaRecord) -> bool:
+    """Whether the store's record matches the controller (state; generation when READY)."""
+    lc = m.handle.lc
+    if rec.state is not lc.state:
+        return False
+    return lc.state is not S.READY or (
+        lc.generation is not None and rec.generation == lc.generation.number
+    )
 
 
 class Supervisor:
@@ -115,6 +128,17 @@ class Supervisor:
             # cut off (e.g. by a Redis outage). Its engine state is unknown: taint and recover.
             await self._orphaned(m, f"left in {m.handle.lc.state} with no cycle running")
             return
+        if rec is not None and not _agrees(m, rec):
+            rec = await self.store.replica(m.id)  # re-read: a cycle may have committed since
+            if not m.lock.locked() and not _agrees(m, rec):
+                lc = m.handle.lc
+                await self._orphaned(
+                    m,
+                    f"the store says {rec.state} g{rec.generation}, the controller "
+                    f"{lc.state} g{lc.generation.number if lc.generation else None}: "
+                    "a state change was lost (Redis failover?)",
+                )
+                return
         if m.handle.lc.state is not S.READY:
             return
         try:  # within the health timeout: a provider that cannot tell in time does not know

@@ -6,8 +6,10 @@ with its KEYS, ARGV and return value. All keys share the hash tag ``{<namespace>
 Cluster slot holds the whole pool, and every key a script touches arrives through KEYS.
 
 Modules: :mod:`pool.store.scripts` (the Lua), :mod:`pool.store.keys` (key names),
-:mod:`pool.store.lease` (the updater lease, I8), :mod:`pool.store.terms` (what an admission
-binds: owner, max age, idle limit, session quota) and the :class:`RedisStore` facade.
+:mod:`pool.store.connect` (standalone, Sentinel or Cluster clients), :mod:`pool.store.lease`
+(the updater lease, I8), :mod:`pool.store.failover` (the failover epoch, epoch-qualified
+fencing tokens, the router registry), :mod:`pool.store.terms` (what an admission binds: owner,
+max age, idle limit, session quota) and the :class:`RedisStore` facade.
 
 Keys (``{ns}`` = ``{rp}`` by default)::
 
@@ -29,7 +31,11 @@ Keys (``{ns}`` = ``{rp}`` by default)::
     {ns}:updates:order         zset: update id -> creation time (ms); the newest
                                ``update_records_max`` records are kept
     {ns}:updater:lease         the updater lease (value = fencing token)
-    {ns}:updater:fence         counter the fencing tokens are drawn from
+    {ns}:updater:fence         counter the fencing tokens are drawn from (token = epoch<<32 | n)
+    {ns}:epochs                hash: primary identity (run id:replication id) -> failover epoch
+                               (standalone and Cluster; Sentinel's config-epoch otherwise)
+    {ns}:routers               zset: router id -> heartbeat expiry (ms)
+    {ns}:routers:epochs        hash: router id -> the failover epoch it last verified
 
 Concurrency and failure contracts:
 
@@ -43,8 +49,21 @@ Concurrency and failure contracts:
 """
 
 from pool.store._store import Admission, JournalEntry, RedisStore
+from pool.store.failover import Epoch, Failover, describe_token, fencing_token, token_epoch
 from pool.store.keys import Keys
 from pool.store.lease import UpdaterLease
 from pool.store.terms import Terms
 
-__all__ = ["Admission", "JournalEntry", "Keys", "RedisStore", "Terms", "UpdaterLease"]
+__all__ = [
+    "Admission",
+    "Epoch",
+    "Failover",
+    "JournalEntry",
+    "Keys",
+    "RedisStore",
+    "Terms",
+    "UpdaterLease",
+    "describe_token",
+    "fencing_token",
+    "token_epoch",
+]

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import LockError, RedisError
@@ -19,6 +18,7 @@ from pool.errors import (
     AdmissionRefused,
     LimitReached,
     NotFound,
+    NotReplicated,
     StaleFencingToken,
     StoreBusy,
     StoreConflict,
@@ -28,6 +28,8 @@ from pool.errors import (
 from pool.records import UpdateRecord
 from pool.settings import StoreSettings
 from pool.store import scripts
+from pool.store.connect import Clients, connect
+from pool.store.failover import Failover, describe_token
 from pool.store.keys import Keys
 from pool.store.lease import UpdaterLease
 from pool.store.terms import NO_TERMS, Terms, limit_reason
@@ -64,6 +66,10 @@ class JournalEntry:
 
 
 _POOL_EXHAUSTED = "No connection available."
+#: Error replies that mean "this primary cannot take writes right now" (failover in progress).
+_TRANSIENT = frozenset(
+    {"NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
+)
 
 
 def _ms(seconds: float) -> int:
@@ -81,10 +87,13 @@ class RedisStore:
     failure contracts.
     """
 
-    def __init__(self, client: aioredis.Redis, settings: StoreSettings) -> None:
+    def __init__(
+        self, client: Any, settings: StoreSettings, clients: Clients | None = None
+    ) -> None:
         self.r = client
         self.settings = settings
         self.k = Keys(settings.namespace)
+        self._clients = clients or Clients(client)
         reg = client.register_script
         self._admit: AsyncScript = reg(scripts.ADMIT)
         self._release: AsyncScript = reg(scripts.RELEASE)
@@ -94,27 +103,19 @@ class RedisStore:
         self._declare: AsyncScript = reg(scripts.DECLARE)
         self._register: AsyncScript = reg(scripts.REGISTER)
         self._maxlen = str(settings.journal_maxlen)
+        #: The failover epoch and the router registry (:mod:`pool.store.failover`).
+        self.failover = Failover(self, self._clients.sentinel)
 
     @classmethod
     def connect(cls, settings: StoreSettings) -> RedisStore:
-        """A store on a bounded, blocking connection pool (see ``StoreSettings.max_connections``).
-        No I/O until the first call."""
-        pool = aioredis.BlockingConnectionPool.from_url(
-            settings.url,
-            max_connections=settings.max_connections,
-            timeout=settings.pool_timeout_s,
-            username=settings.username,
-            password=settings.password.get_secret_value() if settings.password else None,
-            decode_responses=True,
-            socket_timeout=settings.socket_timeout_s,
-            socket_connect_timeout=settings.socket_timeout_s,
-            retry_on_timeout=False,
-            health_check_interval=10,
-        )
-        return cls(aioredis.Redis(connection_pool=pool), settings)
+        """A store on a bounded, blocking connection pool (``StoreSettings.max_connections``)
+        to a standalone Redis, the primary a set of sentinels names, or a Cluster
+        (:mod:`pool.store.connect`). No I/O until the first call."""
+        clients = connect(settings)
+        return cls(clients.data, settings, clients)
 
     async def close(self) -> None:
-        await self.r.aclose(close_connection_pool=True)
+        await self._clients.aclose()
 
     async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         """Run one redis-py call, translating its errors into the pool's (the seam)."""
@@ -134,10 +135,43 @@ class RedisStore:
                 f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
             ) from e
         except RedisError as e:
+            transient = _TRANSIENT.intersection(str(e).replace(":", " ").split())
+            if transient:
+                # a primary that has no replica in sync yet (min-replicas-to-write), a demoted
+                # or loading one, a cluster mid-failover: like an outage, it passes by itself
+                # (pipelines report it as "Command # n (...) of pipeline caused error: ...")
+                raise StoreUnavailable(
+                    f"Redis at {self.settings.safe_url} refuses writes for now ({min(transient)})"
+                ) from e
             raise StoreError(f"redis error: {e}") from e
 
     async def _script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
         out = await self._call(lambda: script(keys=keys, args=[str(a) for a in args]))
+        return [str(x) for x in out]
+
+    async def _durable(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
+        """:meth:`_script`, followed on the same connection by ``WAIT wait_replicas`` when the
+        store is configured to wait (``StoreSettings.wait_replicas``). Raises
+        :class:`NotReplicated` if fewer replicas acknowledged in time: the write is on the
+        primary, but a failover could still lose it."""
+        n = self.settings.wait_replicas
+        if not n:
+            return await self._script(script, keys, args)
+        timeout_ms = _ms(self.settings.wait_timeout_s)
+
+        async def run() -> list[Any]:
+            async with self.r.pipeline(transaction=False) as p:
+                await script(keys=keys, args=[str(a) for a in args], client=p)
+                p.execute_command("WAIT", n, timeout_ms)
+                return list(await p.execute())
+
+        out, acked = await self._call(run)
+        if int(acked) < n:
+            raise NotReplicated(
+                f"a state change reached {int(acked)} of {n} replicas within "
+                f"{self.settings.wait_timeout_s:g} s",
+                replicas=int(acked),
+            )
         return [str(x) for x in out]
 
     async def ping(self) -> bool:
@@ -163,7 +197,10 @@ class RedisStore:
         the published one and meets the constraints, it has capacity, the rollout id is new and
         the client is within its session quota (``terms``; refused as ``client_quota`` only
         after the client's ended sessions were pruned and the admission tried once more).
-        Writes the binding, the active set, the lease and a journal entry together.
+        Writes the binding, the active set, the lease and a journal entry together. A
+        session's admission is durable like a fenced write (``wait_replicas``): a session lives
+        across many requests, and no router holds it between them, so a failover must not lose
+        it (:class:`~pool.errors.NotReplicated` otherwise; its lease then ends it).
         """
         lease_ms = _ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
         keys = [
@@ -190,9 +227,10 @@ class RedisStore:
             0 if terms.idle_s is None else _ms(terms.idle_s),
             terms.quota,
         ]
-        out = await self._script(self._admit, keys, args)
+        run = self._durable if session else self._script
+        out = await run(self._admit, keys, args)
         if out[0] == "refused" and out[1] == "client_quota" and await self._prune(keys[-1]):
-            out = await self._script(self._admit, keys, args)
+            out = await run(self._admit, keys, args)
         if out[0] != "ok":
             raise AdmissionRefused(out[1], replica=replica_id, detail=out[2] or None)
         return Admission(rollout_id, replica_id, int(out[1]), out[2], out[3], int(out[4]))
@@ -384,7 +422,7 @@ class RedisStore:
     async def register_replica(
         self, replica_id: str, url: str, token: int, capacity: int = 64
     ) -> ReplicaState:
-        out = await self._script(
+        out = await self._durable(
             self._register,
             [self.k.replicas, self.k.replica(replica_id), self.k.lease, self.k.journal],
             [replica_id, url, capacity, token, self._maxlen],
@@ -413,8 +451,10 @@ class RedisStore:
         :class:`StoreConflict` if the state is not ``expected`` or if entering QUIESCED/UPDATING
         with active bindings (I2), :class:`NotFound` for an unknown replica. ``publish`` with
         ``new == READY`` publishes ``generation`` if it is newer than the published one.
+        With ``wait_replicas`` it returns only once that many replicas hold the change (and
+        everything written before it), else :class:`~pool.errors.NotReplicated`.
         """
-        out = await self._script(
+        out = await self._durable(
             self._transition,
             [
                 self.k.replica(replica_id),
@@ -478,7 +518,7 @@ class RedisStore:
 
         Needs no lease: it only closes admissions. Returns the previous state.
         """
-        out = await self._script(
+        out = await self._durable(
             self._taint,
             [self.k.replica(replica_id), self.k.journal],
             [replica_id, reason, source, self._maxlen, "" if expected is None else expected.value],
@@ -496,7 +536,7 @@ class RedisStore:
         identically; raises :class:`StoreConflict` for a different record, a number that is not
         newer than the published generation, or a label another generation already has."""
         gen = record.generation
-        out = await self._script(
+        out = await self._durable(
             self._declare,
             [self.k.generations, self.k.lease, self.k.latest, self.k.journal, self.k.labels],
             [gen.number, record.model_dump_json(), token, self._maxlen, gen.label],
@@ -689,8 +729,9 @@ class RedisStore:
     @staticmethod
     def _check_token(out: list[str], token: int) -> None:
         if out[0] == "stale_token":
+            holder = describe_token(int(out[1])) if out[1].isdigit() else out[1] or "none"
             raise StaleFencingToken(
-                f"fencing token {token} does not hold the updater lease "
-                f"(holder: {out[1] or 'none'})",
+                f"fencing token {describe_token(token)} does not hold the updater lease "
+                f"(holder: {holder})",
                 token=token,
             )

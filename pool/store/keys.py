@@ -21,6 +21,9 @@ class Keys:
     updates_order = property(lambda self: f"{self.p}:updates:order")
     lease = property(lambda self: f"{self.p}:updater:lease")
     fence = property(lambda self: f"{self.p}:updater:fence")
+    epochs = property(lambda self: f"{self.p}:epochs")
+    routers = property(lambda self: f"{self.p}:routers")
+    router_epochs = property(lambda self: f"{self.p}:routers:epochs")
 
     def replica(self, rid: str) -> str:
         return f"{self.p}:replica:{rid}"

@@ -12,6 +12,7 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
 from pool.errors import RolloutPoolError, StaleFencingToken, StoreConflict, StoreUnavailable
+from pool.store.failover import describe_token, fencing_token
 
 if TYPE_CHECKING:
     from pool.store import RedisStore
@@ -22,10 +23,14 @@ log = logging.getLogger(__name__)
 class UpdaterLease:
     """The updater lease, built on redis-py's :class:`~redis.asyncio.lock.Lock`.
 
-    The lock's value is a fencing token drawn from a counter (``INCR``), so tokens grow with every
-    acquisition and every fenced script compares its token with the lock's current value: a
-    stale updater whose lease expired can no longer write. ``acquire`` blocks up to
-    ``blocking_timeout_s`` (None: forever); cancelling it leaves no lease behind.
+    The lock's value is a fencing token, ``epoch << 32 | n`` (:func:`pool.store.failover.
+    fencing_token`): ``n`` is drawn from a counter (``INCR``) and the failover epoch is read
+    after it, from a source a failover cannot roll back. So tokens grow with every acquisition,
+    also across failovers that lost the counter's last increments and the lease key itself, and
+    no two updaters ever hold equal tokens; every fenced script compares its token with the
+    lock's current value, so a stale updater whose lease expired can no longer write.
+    ``acquire`` blocks up to ``blocking_timeout_s`` (None: forever); cancelling it leaves no
+    lease behind.
 
     Redis writes are fenced by the scripts; engine calls are not, so the holder also keeps a
     local deadline: :attr:`valid_until` is the monotonic time at which the lease may have lapsed
@@ -48,8 +53,22 @@ class UpdaterLease:
             thread_local=False,
         )
 
+    async def draw(self) -> int:
+        """A new fencing token. The epoch is read before and after the ``INCR``; if they differ
+        (a failover in between: the increment may have gone to either primary) it draws again,
+        so the token's epoch is that of the primary that counted ``n``."""
+        while True:
+            before = await self.store.failover.epoch()
+            n = int(await self.store._call(lambda: self.store.r.incr(self.store.k.fence)))
+            after = await self.store.failover.epoch()
+            if after.number == before.number:
+                return fencing_token(after.number, n)
+            log.warning(
+                "failover epoch moved %d -> %d while drawing a token", before.number, after.number
+            )
+
     async def acquire(self, blocking_timeout_s: float | None = None) -> int:
-        token = int(await self.store._call(lambda: self.store.r.incr(self.store.k.fence)))
+        token = await self.draw()
         sent = time.monotonic()
         ok = await self.store._call(
             lambda: self._lock.acquire(
@@ -70,7 +89,8 @@ class UpdaterLease:
             raise StaleFencingToken("updater lease not held")
         if time.monotonic() >= self.valid_until:
             raise StaleFencingToken(
-                f"updater lease (token {self.token}) may have lapsed: not renewed within "
+                f"updater lease (token {describe_token(self.token)}) may have lapsed: not "
+                f"renewed within "
                 f"{self.ttl_s:g} s",
                 token=self.token,
             )
@@ -116,5 +136,7 @@ class UpdaterLease:
                     except (StoreConflict, StoreUnavailable):
                         log.error("updater lease lost to another updater")
                         return
-                    log.warning("updater lease had expired; re-acquired (token %d)", token)
+                    log.warning(
+                        "updater lease had expired; re-acquired (token %s)", describe_token(token)
+                    )
                     break

@@ -258,3 +258,77 @@ redis.call('HSET', KEYS[2], 'url', ARGV[2], 'capacity', ARGV[3])
 return {'ok', s}
 """
 )
+
+# EPOCH — the failover epoch of a primary identified by run id and replication id (standalone
+# and Cluster; Sentinel's own config-epoch is used instead where there are sentinels). A
+# restarted or newly promoted primary has a new identity and gets the highest epoch + 1.
+# KEYS[1] epochs hash (identity -> epoch)  KEYS[2] journal
+# ARGV[1] primary identity  ARGV[2] journal maxlen
+# Returns the identity's epoch number
+EPOCH = (
+    PRELUDE
+    + """
+local e = redis.call('HGET', KEYS[1], ARGV[1])
+if e then return tonumber(e) end
+local top = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+  if tonumber(v) > top then top = tonumber(v) end
+end
+redis.call('HSET', KEYS[1], ARGV[1], top + 1)
+journal(KEYS[2], ARGV[2], 'type', 'epoch', 'epoch', top + 1, 'primary', ARGV[1])
+return top + 1
+"""
+)
+
+# ROUTER — a router's heartbeat: it is alive and has verified its in-flight bindings in an
+# epoch; routers whose heartbeat expired are dropped.
+# KEYS[1] routers zset (router id -> expiry ms)  KEYS[2] router epochs hash (id -> epoch)
+# ARGV[1] router id  ARGV[2] verified epoch ('' = leaving: drop the router)  ARGV[3] ttl ms
+# Returns {id1, epoch1, id2, epoch2, ...} of the live routers
+ROUTER = (
+    PRELUDE
+    + """
+if ARGV[2] == '' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+else
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+end
+local out = {}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('HGET', KEYS[2], id) or '0'
+end
+return out
+"""
+)
+
+# LOST — write the final record of a binding a failover lost (a request its router still ran,
+# or one whose end the old primary confirmed), so every rollout a client saw has a record;
+# never overwrites an existing binding.
+# KEYS[1] binding  KEYS[2] journal  KEYS[3] per-generation outcome counts
+# ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] generation  ARGV[4] label  ARGV[5] identity
+# ARGV[6] session 0|1  ARGV[7] final state  ARGV[8] reason  ARGV[9] prompt tokens
+# ARGV[10] completion tokens  ARGV[11] retention ms  ARGV[12] journal maxlen
+# Returns {'ok'} | {'exists', state}
+LOST = (
+    PRELUDE
+    + """
+local s = redis.call('HGET', KEYS[1], 'state')
+if s then return {'exists', s} end
+redis.call('HSET', KEYS[1], 'rollout_id', ARGV[1], 'replica_id', ARGV[2], 'generation', ARGV[3],
+  'label', ARGV[4], 'identity_digest', ARGV[5], 'state', ARGV[7], 'session', ARGV[6],
+  'created_ms', now, 'finished_ms', now, 'requests', 0, 'prompt_tokens', ARGV[9],
+  'completion_tokens', ARGV[10], 'reason', ARGV[8])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[11]))
+redis.call('HINCRBY', KEYS[3], ARGV[3] .. ':' .. ARGV[7], 1)
+journal(KEYS[2], ARGV[12], 'type', 'lost', 'rollout', ARGV[1], 'replica', ARGV[2],
+  'state', ARGV[7], 'reason', ARGV[8])
+return {'ok'}
+"""
+)

@@ -815,3 +815,99 @@ def test_ray_job_config_validates_and_places_gpu_replicas_as_actors(
         assert r.launch.model == r.model
     assert router.max_staleness == settings.max_staleness
     compile((DEPLOY / "ray" / "pool_job.py").read_text(), "pool_job.py", "exec")
+
+
+# ------------------------------------------------------------------------------------ sentinel
+
+
+SENTINEL_ENV = {
+    "ROLLOUTPOOL_REDIS_SENTINELS",
+    "ROLLOUTPOOL_REDIS_SENTINEL_SERVICE",
+    "ROLLOUTPOOL_REDIS_WAIT_REPLICAS",
+}
+
+
+def _sentinel_conf(text: str) -> dict[str, str]:
+    """``sentinel <directive> <service> <value>`` lines of a generated sentinel config."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0] == "sentinel" and parts[2] == "rolloutpool":
+            out[parts[1]] = " ".join(parts[3:])
+    return out
+
+
+def _store_of(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> StoreSettings:
+    for k, v in env.items():
+        if k.startswith("ROLLOUTPOOL_REDIS_") and "${" not in v:
+            monkeypatch.setenv(k, v)
+    return StoreSettings()
+
+
+def test_compose_sentinel_variant(compose: dict[str, Any], clean_env: pytest.MonkeyPatch) -> None:
+    """docker-compose.sentinel.yml: a primary, two replicas and three sentinels (quorum 2);
+    the router and the updater reach Redis through the sentinels and wait for one replica; an
+    old primary stops taking writes (min-replicas-max-lag) before the sentinels give up on it
+    (down-after), so it never accepts writes that count."""
+    (doc,) = load_yaml(DEPLOY / "docker-compose.sentinel.yml")
+    services = doc["services"]
+    nodes = ["redis", "redis-replica-1", "redis-replica-2"]
+    sentinels = ["sentinel-1", "sentinel-2", "sentinel-3"]
+    assert set(nodes + sentinels) <= set(services)
+    assert set(services) <= set(compose["services"]) | set(nodes + sentinels)
+    for name in nodes:
+        cmd = " ".join(services[name]["command"])
+        assert "--appendonly" in cmd and "--min-replicas-to-write" in cmd
+        lag = int(cmd.split("--min-replicas-max-lag")[1].split()[0].strip('"'))
+        if name != "redis":
+            assert "--replicaof redis 6379" in cmd
+    for name in sentinels:
+        conf = _sentinel_conf(services[name]["command"][-1])
+        assert conf["monitor"].split() == ["redis", "6379", "2"]  # quorum: a majority of 3
+        assert int(conf["down-after-milliseconds"]) > lag * 1000
+    for name in ("router", "updater"):
+        env = compose_env(services[name])
+        assert SENTINEL_ENV <= set(env)
+        store = _store_of(env, clean_env)
+        assert store.mode == "sentinel" and store.wait_replicas == 1
+        assert [a.split(":")[0] for a in store.sentinels] == sentinels
+        assert store.sentinel_service == "rolloutpool"
+
+
+def test_k8s_sentinel_variant(clean_env: pytest.MonkeyPatch) -> None:
+    """deploy/k8s/sentinel: the base minus its single Redis, plus three Redis nodes and three
+    sentinels; router and updater patched onto the sentinels."""
+    root = K8S / "sentinel"
+    (kust,) = load_yaml(root / "kustomization.yaml")
+    assert kust["resources"] == ["..", "redis-sentinel.yaml"]
+    deleted = [parse_yaml(p["patch"]) for p in kust["patches"] if "patch" in p]
+    assert {(d["kind"], d["metadata"]["name"]) for d in deleted} == {
+        ("StatefulSet", "redis"),
+        ("Service", "redis"),
+    }
+    assert all(d["$patch"] == "delete" for d in deleted)
+    docs = load_yaml(root / "redis-sentinel.yaml")
+    nodes = k8s_obj(docs, "StatefulSet", "redis-node")
+    sentinel = k8s_obj(docs, "StatefulSet", "redis-sentinel")
+    assert nodes["spec"]["replicas"] == 3 and sentinel["spec"]["replicas"] == 3
+    config = k8s_obj(docs, "ConfigMap", "redis-ha")["data"]
+    assert "appendonly yes" in config["redis.conf"]
+    lag = int(config["redis.conf"].split("min-replicas-max-lag")[1].split()[0])
+    conf = _sentinel_conf(config["start-sentinel.sh"])
+    assert conf["monitor"].split()[-1] == "2"
+    assert int(conf["down-after-milliseconds"]) > lag * 1000
+    assert "GET-MASTER-ADDR-BY-NAME rolloutpool" in config["start-node.sh"]
+    for svc in ("redis-node", "redis-sentinel"):
+        assert k8s_obj(docs, "Service", svc)["spec"]["clusterIP"] == "None"
+    patches = load_yaml(root / "clients.yaml")
+    for name in ("router", "updater"):
+        (container,) = k8s_obj(patches, "Deployment", name)["spec"]["template"]["spec"][
+            "containers"
+        ]
+        env = {k: str(v) for k, v in k8s_env(container).items()}
+        assert SENTINEL_ENV <= set(env)
+        store = _store_of(env, clean_env)
+        assert store.mode == "sentinel" and store.wait_replicas == 1
+        assert [a.split(".")[0] for a in store.sentinels] == [
+            f"redis-sentinel-{i}" for i in range(3)
+        ]

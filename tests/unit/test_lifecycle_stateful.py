@@ -71,10 +71,16 @@ def ident(n: int) -> str:
 class PoolMachine(RuleBasedStateMachine):
     rollouts = Bundle("rollouts")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, where: str | StoreSettings) -> None:
         super().__init__()
         self.loop = asyncio.Runner()
-        self.store = RedisStore.connect(StoreSettings(url=url, namespace=uuid.uuid4().hex[:10]))
+        ns = uuid.uuid4().hex[:10]
+        settings = (
+            StoreSettings(url=where, namespace=ns)
+            if isinstance(where, str)
+            else where.model_copy(update={"namespace": ns})
+        )
+        self.store = RedisStore.connect(settings)
         self.lc: dict[str, Lifecycle] = {r: Lifecycle() for r in REPLICAS}
         self.active: dict[str, set[str]] = {r: set() for r in REPLICAS}
         self.proofs: dict[str, set[str]] = {r: set() for r in REPLICAS}

@@ -157,10 +157,12 @@ def test_own_inflight_counts_steer_load() -> None:
 
 def admitter(store: RedisStore, ttl_s: float) -> Admitter:
     metrics = RouterMetrics.create(CollectorRegistry())
+    bindings = Bindings(store, metrics)
+    bindings.epoch = 0  # as if the failover guard had verified an epoch (it admits only then)
     return Admitter(
         store,
         ReplicaView(store, ttl_s),
-        Bindings(store, metrics),
+        bindings,
         metrics,
         max_staleness=0,
         wait_s=1.0,

@@ -62,7 +62,7 @@ async def test_admit_release_and_provenance(store: RedisStore) -> None:
     assert b.state is BindingState.FINISHED and b.completion_tokens == 7 and b.finished_ms
     assert (await store.replica("r0")).active == 0
     types = [e.type for e in await store.journal()]
-    assert types == ["register", "transition", "publish", "admit", "release"]
+    assert types == ["epoch", "register", "transition", "publish", "admit", "release"]
     with pytest.raises(NotFound):
         await store.release("nope", "r0")
     with pytest.raises(StoreConflict):

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
 import pytest
 
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
-from pool.errors import StaleFencingToken
-from pool.evidence import ProcessIdentity
+from pool.errors import StaleFencingToken, StoreUnavailable
+from pool.evidence import DrainRequested, ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.records import ReplicaReport
 from pool.store import RedisStore
@@ -128,3 +129,36 @@ async def test_no_engine_call_once_the_lease_may_have_lapsed(store: RedisStore) 
     # left DRAINING (weights untouched) for whoever holds the lease next to adopt or recover
     assert (await store.replica("r0")).state is S.DRAINING
     await handle.engine.aclose()
+
+
+@pytest.mark.parametrize("landed", [True, False])
+async def test_a_commit_survives_a_lost_reply(store: RedisStore, landed: bool) -> None:
+    """Redis fails over under a commit: the CAS landed but its reply was lost (``landed``), or
+    it never ran. Before, the cycle failed and the replica was tainted and restarted; now the
+    commit waits for Redis and reads the record back: done, or retried."""
+    model = ensure_model("random", seed=1)
+    lease = store.updater_lease("test")
+    token = await lease.acquire()
+    await store.register_replica("r0", "http://vllm.test", token)
+    await store.transition(
+        "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="id0", publish=True
+    )
+    handle = ReplicaHandle(
+        "r0", recording_engine([]), read_manifest(model), Lifecycle(S.READY, G0, "id0")
+    )
+    runner = CycleRunner(store, lease, ReloadTransport(), store_retry_s=5.0)
+    real = store.transition
+    failed: list[bool] = []
+
+    async def flaky(*args: Any, **kw: Any) -> int:
+        if not failed:
+            failed.append(True)
+            if landed:
+                await real(*args, **kw)
+            raise StoreUnavailable("Redis at x is unreachable (ConnectionError)")
+        return await real(*args, **kw)
+
+    store.transition = flaky  # type: ignore[method-assign]
+    await runner.commit(handle, DrainRequested(G1, "id1"))
+    assert failed and handle.lc.state is S.DRAINING
+    assert (await store.replica("r0")).state is S.DRAINING

@@ -176,3 +176,25 @@ async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: Re
     assert recorder.waves == [["http://r1.test", "http://r2.test"]]
     assert together[0] == {"r0"} and {"r1", "r2"} in together  # r1 and r2 ran at once
     await up.lease.release()
+
+
+async def test_a_lost_transition_gets_the_replica_tainted_and_recovered(store: RedisStore) -> None:
+    """A failover lost the RESUMING -> READY commit: the controller says READY, the store says
+    RESUMING, no cycle runs. Before, nothing noticed (the replica stayed out of service, or a
+    later cycle acted on a state the store never had); the supervisor now taints it (and, for
+    a replica it cannot restart, waits for a new process)."""
+    from pool.lifecycle import Lifecycle
+    from pool.types import ReplicaState as S
+
+    up = updater(store)
+    token = await up.lease.acquire()
+    await store.register_replica("r0", "http://r0.test", token)
+    g0 = Generation(number=0, label="g0")
+    await store.transition("r0", token, S.UNINITIALIZED, S.RESUMING, generation=g0)
+    m = up.replicas["r0"]
+    m.handle.lc = Lifecycle(S.READY, g0, "i", process="p")
+    await up.supervisor.check(m, await store.replica("r0"))
+    rec = await store.replica("r0")
+    assert rec.state is S.TAINTED and "a state change was lost" in rec.reason
+    assert m.handle.lc.state is S.TAINTED and m.quarantined
+    await up.stop(stop_replicas=False)

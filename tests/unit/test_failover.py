@@ -1,0 +1,316 @@
+"""Writes a Redis failover loses, on a real Sentinel group (a primary, a replica and a sentinel
+started here), and what keeps them from breaking the contract.
+
+A write is lost for real: the replica is SIGSTOPped and the primary drops its replication link
+(``CLIENT KILL TYPE replica``: what was sent before stays in the replica's socket, nothing after
+is sent), the write lands on the primary only, the primary is SIGKILLed, the replica resumes and
+``SENTINEL FAILOVER`` promotes it. Each test pins
+one hole (and fails without its fix):
+
+* a lost ADMIT leaves a request running on a replica whose active count at the new primary is
+  0; the updater's gate must not let a transfer start until the router's failover guard has cut
+  that request (and recorded the rollout as aborted with the reason);
+* a lost ``INCR`` of the fencing counter (and a lost lease key) lets a new updater draw the very
+  counter value an old one holds; the epoch makes its token greater, and the old one can no
+  longer write or renew;
+* a binding that ends under a running request (here: released by someone else) gets the
+  request cut at the next renewal, instead of it running on for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer, make_mocked_request
+from prometheus_client import CollectorRegistry
+
+from pool.errors import NotFound, StaleFencingToken, StoreError
+from pool.metrics import RouterMetrics
+from pool.settings import StoreSettings
+from pool.store import RedisStore, token_epoch
+from pool.types import BindingState, Generation, ReplicaState
+from router.bindings import Bindings
+from router.errors import BindingEnded
+from router.failover import FailoverGuard, cuttable
+from router.provenance import RolloutInfo
+from router.settings import RouterSettings
+from testkit.harness import publish_ready, router_client
+from testkit.redis_ha import SentinelGroup, command
+from tests.unit.test_router_upstream import FakeVllm, sse
+from updater.failover import EpochGate
+
+S = ReplicaState
+G0 = Generation(number=0, label="g0")
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
+    g = SentinelGroup(
+        Path(tmp_path_factory.mktemp("sentinel")),
+        replicas=1,
+        sentinels=1,
+        down_after_ms=60_000,  # failovers here are forced, never detected
+        min_replicas_to_write=0,  # one replica: the promoted primary has none at first
+    )
+    yield g.start()
+    g.stop()
+
+
+@pytest.fixture
+async def ha_store(group: SentinelGroup) -> AsyncIterator[RedisStore]:
+    settings = group.store_settings(
+        f"f{uuid.uuid4().hex[:8]}", wait_replicas=0, socket_timeout_s=0.5, failover_grace_s=20
+    )
+    store = RedisStore.connect(settings)
+    yield store
+    await store.close()
+
+
+async def until_reachable(store: RedisStore, primary: int) -> None:
+    """Wait until the store's calls land on ``primary`` (idle connections to the dead primary
+    fail once and reconnect through the sentinels)."""
+    for _ in range(100):
+        try:
+            e = await store.failover.epoch()
+            await store.ping()
+            if e.primary.endswith(f":{primary}"):
+                return
+        except StoreError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("the store did not follow the failover")
+
+
+async def lose(group: SentinelGroup, store: RedisStore, write: Any) -> Any:
+    """Run ``write`` on the primary alone, then fail over to a replica that never got it."""
+    old = group.primary_port()
+    replica = next(n for n in group.nodes if n.port != old)
+    await asyncio.to_thread(group.wait_caught_up, old)  # everything before the write is there
+    replica.signal(signal.SIGSTOP)
+    try:
+        assert command(old, "CLIENT", "KILL", "TYPE", "replica") == "1"
+        result = await write()
+    finally:
+        group.node(old).signal(signal.SIGKILL)
+        replica.signal(signal.SIGCONT)
+    await asyncio.to_thread(group.force_failover)
+    new, _ = await asyncio.to_thread(group.wait_promoted, old)
+    await until_reachable(store, new)
+    await asyncio.to_thread(group.restart, old)  # back as a replica of the new primary
+    await asyncio.to_thread(group.wait_replicas_synced, new, 1)
+    await asyncio.to_thread(group.wait_sentinels_ready)
+    return result
+
+
+async def ready_replica(store: RedisStore) -> int:
+    token = await store.updater_lease("setup").acquire()
+    await store.register_replica("r0", "http://r0", token)
+    await store.transition(
+        "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="i", publish=True
+    )
+    return token
+
+
+async def test_a_lost_admit_gets_its_request_cut_before_any_transfer(
+    group: SentinelGroup, ha_store: RedisStore
+) -> None:
+    store = ha_store
+    await ready_replica(store)
+    bindings = Bindings(store, RouterMetrics.create(CollectorRegistry()))
+    guard = FailoverGuard(store, bindings)
+    await guard.tick()  # registered, epoch verified
+    epoch0 = bindings.epoch
+    assert epoch0 is not None
+    adm = await lose(group, store, lambda: store.admit("ro-lost", "r0"))
+    running = asyncio.Event()
+
+    async def request() -> None:  # the rollout's request, still running on r0
+        with bindings.renewing("ro-lost", 30, RolloutInfo.of_admission(adm), epoch=epoch0):
+            running.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(request())
+    await running.wait()
+    # the hole: at the new primary, r0 has no active binding while the request runs
+    assert (await store.replica("r0")).active == 0
+    gate = EpochGate(store, poll_s=0.02)
+    with pytest.raises(TimeoutError):  # no transfer may start: the router has not verified
+        await asyncio.wait_for(gate.settled(), 0.5)
+    for _ in range(100):  # the router sees the new epoch: once settled, verifies, cuts, reports
+        await guard.tick()
+        if bindings.epoch != epoch0:
+            break
+        await asyncio.sleep(0.1)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 1)
+    epoch = await asyncio.wait_for(gate.settled(), 2)
+    assert epoch.number > epoch0 and bindings.epoch == epoch.number
+    b = await store.binding("ro-lost")
+    assert b.state is BindingState.ABORTED and "lost in a Redis failover" in b.reason
+    assert guard.lost == 1 and guard.cut == 1
+
+
+async def test_a_lost_fencing_increment_cannot_give_two_updaters_one_token(
+    group: SentinelGroup, ha_store: RedisStore
+) -> None:
+    store = ha_store
+    await ready_replica(store)
+    await store.updater_lease("setup").release()
+    await store.r.delete(store.k.lease)
+    old = store.updater_lease("old")
+    t_old = await lose(group, store, old.acquire)  # its INCR and its lease key are lost
+    new = store.updater_lease("new")
+    t_new = await new.acquire(blocking_timeout_s=1)
+    # the hole: the counter handed out the same value again ...
+    assert t_new & 0xFFFFFFFF == t_old & 0xFFFFFFFF
+    # ... but the epoch orders the tokens, and only the new one writes
+    assert t_new > t_old and token_epoch(t_new) > token_epoch(t_old)
+    with pytest.raises(StaleFencingToken):
+        await store.begin_drain("r0", t_old, Generation(number=1, label="g1"), "i1")
+    with pytest.raises(StaleFencingToken):
+        await old.extend()
+    await store.begin_drain("r0", t_new, Generation(number=1, label="g1"), "i1")
+
+
+async def test_a_renewal_that_finds_the_binding_gone_cuts_the_request(
+    store_settings: StoreSettings,
+) -> None:
+    store = RedisStore.connect(store_settings)
+    try:
+        await ready_replica(store)
+        adm = await store.admit("ro-1", "r0", lease_s=0.3)
+        bindings = Bindings(store, RouterMetrics.create(CollectorRegistry()))
+        info = RolloutInfo.of_admission(adm)
+        started = asyncio.Event()
+
+        async def handler() -> Any:
+            with bindings.renewing("ro-1", 0.3, info) as held:
+
+                async def run() -> Any:
+                    started.set()
+                    await asyncio.sleep(60)  # the upstream generation
+
+                return await cuttable(make_mocked_request("POST", "/v1/completions"), held, run())
+
+        task = asyncio.create_task(handler())
+        await started.wait()
+        await store.release("ro-1", "r0", BindingState.ABORTED, reason="drain ended")
+        stop = asyncio.Event()
+        renewer = asyncio.create_task(bindings.renew_forever(0.05, stop))
+        with pytest.raises(BindingEnded) as e:
+            await asyncio.wait_for(task, 5)
+        stop.set()
+        await renewer
+        assert e.value.status == 503 and e.value.code == "binding_lost"
+        assert "ended while the request ran" in e.value.message
+    finally:
+        await store.close()
+
+
+async def test_a_rollout_whose_admission_and_end_a_failover_lost_gets_its_record_back(
+    group: SentinelGroup, ha_store: RedisStore
+) -> None:
+    """The client has its answer (the old primary confirmed the end), but the new primary has
+    no record of the rollout: the router's guard writes it again, as it ended."""
+    store = ha_store
+    await ready_replica(store)
+    bindings = Bindings(store, RouterMetrics.create(CollectorRegistry()))
+    guard = FailoverGuard(store, bindings)
+    await guard.tick()
+    epoch0 = bindings.epoch
+
+    async def rollout() -> None:
+        adm = await store.admit("ro-done", "r0")
+        with bindings.renewing("ro-done", 30, RolloutInfo.of_admission(adm)):
+            verdict = await bindings.end("ro-done", "r0", BindingState.FINISHED, "", 3, 5)
+        assert verdict.value == "confirmed"
+
+    await lose(group, store, rollout)
+    with pytest.raises(NotFound):
+        await store.binding("ro-done")  # the hole: a delivered rollout without a record
+    for _ in range(100):
+        await guard.tick()
+        if bindings.epoch != epoch0:
+            break
+        await asyncio.sleep(0.1)
+    b = await store.binding("ro-done")
+    assert b.state is BindingState.FINISHED and b.completion_tokens == 5
+    assert guard.restored == 1
+
+
+async def test_a_cut_request_ends_its_binding_with_the_cut_reason(
+    store_settings: StoreSettings,
+) -> None:
+    """A cut cancels the request; its release must say why it was cut (not 'client
+    disconnected', which is what a cancelled request otherwise records)."""
+    store = RedisStore.connect(store_settings)
+    try:
+        await ready_replica(store)
+        adm = await store.admit("ro-2", "r0")
+        bindings = Bindings(store, RouterMetrics.create(CollectorRegistry()))
+        started = asyncio.Event()
+
+        async def handler() -> Any:
+            with bindings.renewing("ro-2", 30, RolloutInfo.of_admission(adm)) as held:
+
+                async def run() -> Any:
+                    try:
+                        started.set()
+                        await asyncio.sleep(60)
+                    except asyncio.CancelledError:  # what run_settled does when cancelled
+                        await bindings.release("ro-2", "r0", BindingState.ABORTED, "client gone")
+                        raise
+
+                return await cuttable(make_mocked_request("POST", "/v1/completions"), held, run())
+
+        task = asyncio.create_task(handler())
+        await started.wait()
+        assert bindings.cut("ro-2", "this router could not reach Redis for 5.0 s") == 1
+        with pytest.raises(BindingEnded):
+            await task
+        b = await store.binding("ro-2")
+        assert b.state is BindingState.ABORTED and b.reason.startswith("this router could not")
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_whose_binding_ends_under_it_is_cut_through_the_router(
+    store_settings: StoreSettings, store: RedisStore, stream: bool
+) -> None:
+    """The router app end to end (a fake vLLM upstream that generates slowly): the binding is
+    ended from outside (as the updater does at a drain deadline); the next renewal cuts the
+    request, the upstream sees the disconnect, and the client gets 503 binding_lost (a stream:
+    an SSE error event) with the binding's reason."""
+    f = FakeVllm(mode="slow_stream" if stream else "ok", delay_s=0 if stream else 30)
+    server = TestServer(f.app())
+    await server.start_server()
+    try:
+        await publish_ready(store, [("r0", str(server.make_url("")).rstrip("/"))])
+        rs = RouterSettings(admission_wait_s=1.0, request_lease_s=0.6)
+        async with router_client(rs, store_settings) as c:
+            body = {"model": "rolloutpool", "prompt": "hi", "max_tokens": 400, "stream": stream}
+            call = asyncio.create_task(c.post("/v1/completions", json=body))
+            await f.received.wait()
+            (rid,) = await store.active_rollouts("r0")
+            await store.release(rid, "r0", BindingState.ABORTED, reason="drain ended")
+            r = await asyncio.wait_for(call, 10)
+            if stream:
+                assert r.status == 200
+                events = await sse(r)
+                err = events[-1]["error"]
+            else:
+                assert r.status == 503
+                err = (await r.json())["error"]
+            assert err["code"] == "binding_lost" and err["rollout"]["id"] == rid
+            await asyncio.wait_for(f.disconnected.wait(), 5)
+        b = await store.binding(rid)
+        assert b.state is BindingState.ABORTED and b.reason == "drain ended"
+    finally:
+        await server.close()
