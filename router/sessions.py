@@ -162,8 +162,9 @@ async def heartbeat(request: web.Request) -> web.Response:
         )
     except LimitReached as e:
         raise await _end_at_limit(request, b, e) from e
-    except NotFound as e:
-        raise _not_active(rollout_id, e.context.get("state")) from e
+    except NotFound as e:  # ended meanwhile (e.g. by a reaper at its limit): say why
+        final = await _binding(request, rollout_id)
+        raise _not_active(rollout_id, final.state, final.reason) from e
     return json_response({"rollout_id": rollout_id, "state": "active", "lease_expires_ms": expires})
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState
+from router.keys import STORE
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
 
@@ -228,6 +229,30 @@ async def test_a_session_that_only_heartbeats_ends_at_its_idle_limit(
     assert err["reason"] == reason
     assert (await store.binding(rid)).reason == reason
     assert await store.leased_rollouts() == 0
+
+
+async def test_a_heartbeat_that_loses_the_race_with_the_reaper_says_why(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """A reaper (any router's) ends the session between the heartbeat's read of the binding and
+    its lease renewal. The 409 must still carry the reason the session ended with; before, it
+    said only "expired" and had no ``reason`` (seen as a flaky idle-limit test under load)."""
+    await publish_ready(store, [("r0", DEAD)])
+    async with router_client(settings(), store_settings) as c:
+        rid = (await (await c.post("/v1/rollouts")).json())["rollout_id"]
+        app_store = c.app[STORE]
+        touch = app_store.touch
+
+        async def reaped_first(rollout_id: str, **kw: Any) -> int:
+            b = await store.binding(rollout_id)
+            await store.release(rollout_id, b.replica_id, BindingState.ABORTED, reason="idle")
+            return await touch(rollout_id, **kw)
+
+        app_store.touch = reaped_first  # type: ignore[method-assign]
+        r = await c.post(f"/v1/rollouts/{rid}/heartbeat")
+        assert r.status == 409
+        err = (await r.json())["error"]
+    assert (err["code"], err["state"], err["reason"]) == ("rollout_not_active", "aborted", "idle")
 
 
 async def test_sessions_belong_to_the_client_that_opened_them(
