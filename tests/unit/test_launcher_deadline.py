@@ -117,16 +117,16 @@ async def test_a_slow_start_that_works_is_not_killed_at_the_timeout(tmp_path: Pa
     # start can get no CPU at all for seconds, which the launcher rightly calls a stall
     spec = _spec(
         tmp_path,
-        SLOW.format(spin=4.0),
+        SLOW.format(spin=2.0),
         cpu_bind=None,
-        startup_timeout_s=2.0,
+        startup_timeout_s=1.0,
         startup_stall_s=10.0,
         startup_max_s=120.0,
     )
     replica = LocalReplica(spec)
     try:
         took = await replica.start()
-        assert took >= 4.0  # twice startup_timeout_s: kept alive by its CPU use
+        assert took >= 2.0  # twice startup_timeout_s: kept alive by its CPU use
         assert replica.alive
     finally:
         await replica.stop(grace_s=1.0)
@@ -137,16 +137,16 @@ async def test_a_start_that_never_ends_fails_at_startup_max(tmp_path: Path) -> N
     spec = _spec(
         tmp_path,
         SLOW.format(spin=-1),
-        startup_timeout_s=1.0,
-        startup_stall_s=3.0,
-        startup_max_s=6.0,
+        startup_timeout_s=0.5,
+        startup_stall_s=1.5,
+        startup_max_s=3.0,
     )
     replica = LocalReplica(spec)
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
         await replica.start()
-    assert 6.0 <= time.monotonic() - t0 < 20
-    assert "not ready after 6s (startup_max_s)" in str(e.value)
+    assert 3.0 <= time.monotonic() - t0 < 20
+    assert "not ready after 3s (startup_max_s)" in str(e.value)
     assert _gone(replica)
 
 
