@@ -34,7 +34,16 @@ from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord, UpdateStat
 
 #: The phases of an update cycle in the order they run (``updater.cycle``); a phase the updater
 #: reports that is not listed here is shown after them.
-PHASES = ("preflight", "drain", "pause", "transfer", "invalidate", "validate", "resume")
+PHASES = (
+    "preflight",
+    "drain",
+    "pause",
+    "routers",  # every router verified the Redis failover epoch (updater.failover)
+    "transfer",
+    "invalidate",
+    "validate",
+    "resume",
+)
 
 
 def seconds(s: float) -> str:
@@ -234,7 +243,7 @@ def _now(report: ReplicaReport | None) -> Text:
 
 #: Phases the live table leaves out when the terminal is too narrow for every column: they take
 #: milliseconds, and the "now" column still names them while they run.
-BRIEF = ("preflight", "pause")
+BRIEF = ("preflight", "pause", "routers")
 
 
 def _table(
