@@ -16,6 +16,17 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 _PLACEHOLDER = re.compile(r"change[-_ ]?me|replace[-_ ]?me|<[^>]*>", re.IGNORECASE)
 
 
+def split_list(v: Any) -> Any:
+    """A list setting given as one string: ``a,b,c`` (blanks dropped) or a JSON array; anything
+    else is passed on to the field's own validation."""
+    if isinstance(v, str):
+        text = v.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [x.strip() for x in text.split(",") if x.strip()]
+    return v
+
+
 def refuse_placeholder(secret: SecretStr | None, what: str) -> SecretStr | None:
     """``secret`` unless it is a template placeholder (``CHANGE-ME-...``, ``<token>``): a
     deployment that forgot to set a real secret must fail to start, not run with a published one.
@@ -94,12 +105,7 @@ class StoreSettings(BaseSettings):
     @field_validator("sentinels", mode="before")
     @classmethod
     def _split_sentinels(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            text = v.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [x.strip() for x in text.split(",") if x.strip()]
-        return v
+        return split_list(v)
 
     @field_validator("sentinels")
     @classmethod

@@ -10,13 +10,12 @@ string (``k1,k2``). An empty list disables client authentication.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from pool.settings import refuse_placeholder
+from pool.settings import refuse_placeholder, split_list
 
 MIB = 1024 * 1024
 
@@ -102,12 +101,7 @@ class RouterSettings(BaseSettings):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            text = v.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [k.strip() for k in text.split(",") if k.strip()]
-        return v
+        return split_list(v)
 
     @field_validator("api_keys")
     @classmethod
