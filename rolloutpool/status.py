@@ -17,6 +17,8 @@ Blocking (httpx, synchronous); each call makes at most one request with a 5 s ti
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,14 +196,22 @@ def as_json(router: str, view: PoolView, last: LastUpdate) -> dict[str, Any]:
 def _watch(read: Callable[[], tuple[str, dict[str, Any]]], every: float, json_out: bool) -> None:
     """Show ``read()`` every ``every`` s until Ctrl-C: in place on a terminal, else one block
     (or JSON line) per refresh. A service out of reach is shown and retried; a refused token
-    ends the watch (it will not fix itself)."""
+    ends the watch (it will not fix itself).
+
+    Ctrl-C (SIGINT) sets a flag instead of raising ``KeyboardInterrupt``: an interrupt that lands
+    in a finalizer (e.g. a closing HTTP connection's) is printed and dropped by Python, which
+    left the watch running. The watch ends after the refresh in progress (at most its 5 s
+    request timeout)."""
     console = Console()
     live = None
     if console.is_terminal and not json_out:
         live = Live(console=console, auto_refresh=False)
         live.start()
+    stop = threading.Event()
+    main = threading.current_thread() is threading.main_thread()  # else no signal reaches it
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if main else None
     try:
-        while True:
+        while not stop.is_set():
             stamp = time.strftime("%H:%M:%S")
             try:
                 text, data = read()
@@ -216,10 +226,10 @@ def _watch(read: Callable[[], tuple[str, dict[str, Any]]], every: float, json_ou
                 live.update(Text(head + text), refresh=True)
             else:
                 click.echo(f"--- {stamp}\n{text}\n")
-            time.sleep(every)
-    except KeyboardInterrupt:
-        pass
+            stop.wait(every)
     finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
         if live is not None:
             live.stop()
 

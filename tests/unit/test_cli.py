@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -37,7 +40,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import GenerationRecord, WeightIdentity
 from pool.web import start_server
-from rolloutpool import progress
+from rolloutpool import progress, status
 from rolloutpool.cli import cli
 from rolloutpool.errors import ExitCode
 from router.settings import RouterSettings
@@ -460,3 +463,26 @@ async def test_status_of_an_unreachable_router_exits_4(pool: Pool) -> None:
     )
     assert r.exit_code == ExitCode.UNREACHABLE
     assert "cannot reach the router at http://127.0.0.1:" in one_error_line(r)
+
+
+def test_status_watch_ends_on_a_ctrl_c_that_lands_in_a_finalizer() -> None:
+    """Pins the flaky CLI integration test: a Ctrl-C delivered while Python runs a finalizer
+    (here ``__del__``; in the field, an HTTP connection being closed) raised KeyboardInterrupt
+    there, which Python prints and drops, so ``status --watch`` went on refreshing."""
+    calls = 0
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def read() -> tuple[str, dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            Finalized()  # dropped at once: the interrupt arrives inside its finalizer
+        if calls > 5:
+            raise AssertionError("the watch outlived Ctrl-C")
+        return "pool", {}
+
+    status._watch(read, 0.01, json_out=True)
+    assert calls == 2
