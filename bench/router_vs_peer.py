@@ -80,7 +80,7 @@ def ensure_tools(venv: Path) -> Path:
     if not ok or not (venv / "bin" / "py-spy").exists():
         print(f"installing vllm-router=={PEER_VERSION} and py-spy into {venv}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-        subprocess.run([str(py), "-m", "ensurepip", "-q"], check=True)
+        subprocess.run([str(py), "-m", "ensurepip"], check=True, capture_output=True)
         pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, f"vllm-router=={PEER_VERSION}", "py-spy"], check=True)
     return py
