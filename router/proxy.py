@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -83,14 +82,16 @@ import aiohttp
 from aiohttp import web
 
 from pool.errors import StoreError
-from pool.types import BindingState, ReplicaRecord
+from pool.types import ReplicaRecord
 from pool.web import (
     CLIENT,
     BadRequest,
     Conflict,
     RouteNotFound,
+    dumpb,
     dumps,
     json_response,
+    loads,
     read_json_object,
 )
 from router import limits, sessions
@@ -412,7 +413,7 @@ async def forward(
             replica=target.replica.replica_id,
             rollout=target.info.as_json(),
         ) from e
-    payload = dumps(upstream_body(body, route, target.info.label, info, stream)).encode()
+    payload = dumpb(upstream_body(body, route, target.info.label, info, stream))
     url = target.replica.url.rstrip("/") + route
     sent = time.perf_counter()
     deadline = asyncio.timeout_at(target.deadline.at)
@@ -562,7 +563,7 @@ async def _whole(
         if status == 404:
             request.app[CATALOG].forget(target.replica)
         try:
-            err = json.loads(raw)
+            err = loads(raw)
         except ValueError:
             err = None
         if isinstance(err, dict):
@@ -572,7 +573,7 @@ async def _whole(
             body=raw, status=status, headers=info.headers(), content_type=resp.content_type
         )
     try:
-        data = json.loads(raw)
+        data = loads(raw)
     except ValueError:
         data = None
     if not isinstance(data, dict):
@@ -725,7 +726,7 @@ async def _stream(
                         done = True
                         break
                     try:
-                        chunk = json.loads(payload)
+                        chunk = loads(payload)
                     except ValueError:
                         chunk = None
                     if not isinstance(chunk, dict):
@@ -742,14 +743,14 @@ async def _stream(
                     if usage_only and not wants_usage:
                         continue
                     if held is not None:
-                        await send(dumps(held).encode())
+                        await send(dumpb(held))
                         held = None
                     ends = finish_reasons(chunk)
                     reasons += ends
                     if usage_only or ends:
                         held = chunk
                     else:
-                        await send(dumps(chunk).encode())
+                        await send(dumpb(chunk))
         except (aiohttp.ClientError, TimeoutError) as e:
             if deadline.expired():
                 failure = target.deadline.reason
@@ -790,10 +791,10 @@ async def _stream(
             )
         if held is not None:
             held["rollout"] = rollout
-            await send(dumps(held).encode())
+            await send(dumpb(held))
         if problem is not None:
             err = {"code": problem[0], "message": problem[1], "rollout": rollout}
-            await send(dumps({"error": err}).encode())
+            await send(dumpb({"error": err}))
         else:
             await send(b"[DONE]")
         await send(None)
