@@ -26,8 +26,7 @@ Measured, in this order:
 4. ``bench.admission``'s one-connection run (admit+release pairs/s).
 5. **End to end** with vLLM's own client (:mod:`bench._e2e_vllm`): 2 real vLLM CPU replicas.
 
-``--router-workers N`` runs phase 2 once per value with ``ROLLOUTPOOL_ROUTER_WORKERS=N`` (and
-``--workers N``); values other than 1 need a router that has that setting.
+``--router-workers N ...`` runs phase 2 once per value with ``python -m router --workers N``.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from bench.admission import run as admission_run
 from pool.launcher import free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
-from router.settings import RouterSettings
 from testkit.harness import publish_ready
 from testkit.redis_server import RedisServer
 from testkit.stub_upstream import STUB_MODEL, StubUpstream, new_event_loop
@@ -146,7 +144,23 @@ async def start_router(work: Path, redis_url: str, namespace: str, workers: int 
     proc = await spawn(work, f"router-{namespace}-w{workers}", argv, env)
     url = f"http://127.0.0.1:{port}"
     await wait_ready(url + "/healthz", proc)
+    await all_workers_listen(url, workers)
     return Server("rolloutpool", proc, url)
+
+
+async def all_workers_listen(url: str, workers: int, timeout_s: float = 120) -> None:
+    """Until each of ``workers`` processes answered ``/healthz`` (new connections are spread
+    only over the workers already listening; the client's keep-alive pool is made after)."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(pids) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(pids)} of {workers} router workers answered")
+        async with aiohttp.ClientSession() as s, s.get(url + "/healthz") as r:
+            if r.status == 200:
+                pids.add((await r.json())["worker"]["pid"])
+            else:
+                await asyncio.sleep(0.1)
 
 
 async def start_peer(work: Path, python: Path, upstreams: list[str], name: str) -> Server:
@@ -466,9 +480,6 @@ def summary_line(r: dict[str, Any]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    for n in args.router_workers:
-        if n != 1 and "workers" not in RouterSettings.model_fields:
-            raise SystemExit(f"--router-workers {n}: this router has no 'workers' setting yet")
     load_start = os.getloadavg()
     procs_before = all_processes()
     tools = await asyncio.to_thread(ensure_tools, args.tools_venv)
@@ -544,9 +555,10 @@ def assemble(
             "measured": sorted(workers, key=int),
             "by_workers": workers,
             "note": "requests/s of RolloutPool's router alone at concurrency "
-            f"{args.alone_concurrency} on the stub, per worker count. python -m router has no "
-            "--workers yet: only 1 was measured; rerun with --router-workers 1 2 once it "
-            "exists (the bench passes ROLLOUTPOOL_ROUTER_WORKERS=N and --workers N)",
+            f"{args.alone_concurrency} on the stub, per worker count (python -m router "
+            "--workers N: N SO_REUSEPORT processes). On this 2-core box the stub, Redis and "
+            "the client share the cores with the workers, so a second worker adds less than a "
+            "core's worth",
         },
         "interleaved": {k: v for k, v in stub.items() if k.startswith("c")},
         "interleaved_stream": {k: v for k, v in stub.items() if k.startswith("stream_c")},
