@@ -127,6 +127,7 @@ MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 MAX_SSE_EVENT_BYTES = 64 * 1024 * 1024
 EXCERPT = 500
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 log = logging.getLogger("router")
 
@@ -419,9 +420,7 @@ async def forward(
     deadline = asyncio.timeout_at(target.deadline.at)
     try:
         async with deadline:
-            resp = await app[HTTP].post(
-                url, data=payload, headers={"Content-Type": "application/json"}
-            )
+            resp = await app[HTTP].post(url, data=payload, headers=JSON_HEADERS)
     except (aiohttp.ClientError, TimeoutError) as e:
         raise _upstream_failure(e, target, outcome, "request", deadline.expired()) from e
     complete = False
