@@ -92,6 +92,10 @@ class ScriptBatcher:
             for c in batch:
                 _settle(c.future, exc=e)
             return
+        except BaseException:  # this task was cancelled (loop shutdown): so are the calls
+            for c in batch:
+                c.future.cancel()
+            raise
         for c, reply in zip(batch, replies, strict=True):
             if isinstance(reply, NoScriptError):
                 await self._alone(c)
