@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from bench import _e2e_vllm, _router_profile
-from bench._meta import write
+from bench._meta import RESULTS, write
 from bench._proc import CpuMeter, all_processes, descendants, others
 from bench.admission import run as admission_run
 from pool.launcher import free_port
@@ -493,7 +493,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         admission = await asyncio.to_thread(asyncio.run, coro)
     print(f"admission, one connection: {admission:,.0f} pairs/s", flush=True)
     e2e = None
-    if not args.skip_e2e:
+    if args.skip_e2e:
+        e2e = carried_e2e(args.out)
+    else:
         e2e = await _e2e_vllm.run(
             work / "e2e", tools, start_router, start_peer, rounds=args.e2e_rounds
         )
@@ -510,6 +512,32 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "other_processes": others(procs_before, all_processes(), ours),
         },
     )
+
+
+def carried_e2e(name: str) -> dict[str, Any] | None:
+    """The end-to-end phase of the previous result file, marked as carried over (its date and
+    command), for a run with ``--skip-e2e``; None if there is none."""
+    import json
+
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    e2e = old.get("e2e_vllm_bench_serve")
+    if not e2e:
+        return None
+    if "carried_over" not in e2e:
+        e2e = {
+            "carried_over": {
+                "date": old.get("date"),
+                "command": old.get("command"),
+                "note": "not rerun with this file's other phases (--skip-e2e): measured in "
+                "the run of that date; it is bound by the vLLM replicas (router and Redis used "
+                "a few % of the cores), not by the router's own cost",
+            },
+            **e2e,
+        }
+    return e2e
 
 
 def assemble(
@@ -597,7 +625,11 @@ def main() -> None:
     ap.add_argument("--router-workers", type=int, nargs="+", default=[1])
     ap.add_argument("--admission-pairs", type=int, default=20000)
     ap.add_argument("--tools-venv", type=Path, default=TOOLS_VENV)
-    ap.add_argument("--skip-e2e", action="store_true", help="no vLLM phase (item 5)")
+    ap.add_argument(
+        "--skip-e2e",
+        action="store_true",
+        help="no vLLM phase (item 5): the previous result's is carried over, marked so",
+    )
     ap.add_argument("--e2e-rounds", type=int, default=2)
     ap.add_argument("--skip-profile", action="store_true")
     ap.add_argument("--out", default="router_vs_peer", help="result name under bench/results")
