@@ -654,13 +654,15 @@ def upstream_aborted(reasons: list[str], tokens: tuple[int, int] | None) -> str 
     """Why a complete answer counts as aborted by vLLM, or None if it finished.
 
     vLLM ends an aborted request (``/abort_requests``, a pause in ``abort`` mode) with
-    ``finish_reason: "abort"``, or, for a completion or chat request aborted before its first
-    token, streams no finishing choice chunk at all: only the usage chunk and ``[DONE]``
-    (pinned against real vLLM by ``test_standin_conformance``)."""
+    ``finish_reason: "abort"`` (one it could not run, from 0.33: ``"error"``), or, for a
+    completion or chat request aborted before its first token, streams no finishing choice
+    chunk at all: only the usage chunk and ``[DONE]`` (pinned against real vLLM by
+    ``test_standin_conformance``)."""
     completion = None if tokens is None else tokens[1]
-    if "abort" in reasons:
-        after = "" if completion is None else f" after {completion} tokens"
-        return f"upstream aborted the request (finish_reason 'abort'){after}"
+    for reason in ("abort", "error"):
+        if reason in reasons:
+            after = "" if completion is None else f" after {completion} tokens"
+            return f"upstream aborted the request (finish_reason {reason!r}){after}"
     if not reasons:
         if not completion:
             return "upstream aborted the request before its first token"
