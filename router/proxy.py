@@ -71,6 +71,7 @@ leaving (the next SSE write fails: same outcome); a non-streamed request then ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -80,6 +81,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from pool.errors import StoreError
 from pool.types import ReplicaRecord
@@ -415,7 +417,7 @@ async def forward(
             rollout=target.info.as_json(),
         ) from e
     payload = dumpb(upstream_body(body, route, target.info.label, info, stream))
-    url = target.replica.url.rstrip("/") + route
+    url = upstream_url(target.replica.url, route)
     sent = time.perf_counter()
     deadline = asyncio.timeout_at(target.deadline.at)
     try:
@@ -439,6 +441,12 @@ async def forward(
             resp.release()  # back to the pool if fully read, else the connection is closed
         else:
             resp.close()  # drops the connection: vLLM sees the disconnect and aborts
+
+
+@functools.lru_cache(maxsize=1024)
+def upstream_url(base: str, route: str) -> URL:
+    """The replica's URL for ``route``, parsed once (not on every request)."""
+    return URL(base.rstrip("/") + route)
 
 
 def _upstream_failure(
