@@ -65,10 +65,11 @@ PHASES: dict[str, str] = {
 OUTSIDE = "aiohttp server + event loop, no request step on the stack (dispatch, scheduling)"
 REDIS_TASK = (
     "Redis commands in redis-py's own tasks (asyncio.wait_for on 3.11 runs the send in a new "
-    "task: ADMIT, RELEASE, view refresh, renewer; which one is not on the stack)"
+    "task) and the group-commit pipelines of ADMIT and RELEASE (pool.store.batch), the view "
+    "refresh, the renewer: which request is not on the stack"
 )
 PARTIAL = "stack without its root (py-spy could not unwind it whole): unattributed"
-LOOP = "asyncio event loop (scheduling, epoll)"
+LOOP = "event loop (uvloop's C code or asyncio: scheduling, epoll, socket calls)"
 PLUMBING = (
     "asyncio/",
     "selectors.py",
@@ -78,6 +79,7 @@ PLUMBING = (
     "_weakrefset",
     "aiohttp/web.py",
     "router/__main__.py",
+    "pool/web/server.py",
 )
 SYSCALL_LEAVES = (
     "_SelectorSocketTransport.write",

@@ -26,8 +26,7 @@ Measured, in this order:
 4. ``bench.admission``'s one-connection run (admit+release pairs/s).
 5. **End to end** with vLLM's own client (:mod:`bench._e2e_vllm`): 2 real vLLM CPU replicas.
 
-``--router-workers N`` runs phase 2 once per value with ``ROLLOUTPOOL_ROUTER_WORKERS=N`` (and
-``--workers N``); values other than 1 need a router that has that setting.
+``--router-workers N ...`` runs phase 2 once per value with ``python -m router --workers N``.
 """
 
 from __future__ import annotations
@@ -49,13 +48,12 @@ from typing import Any
 import aiohttp
 
 from bench import _e2e_vllm, _router_profile
-from bench._meta import write
+from bench._meta import RESULTS, write
 from bench._proc import CpuMeter, all_processes, descendants, others
 from bench.admission import run as admission_run
 from pool.launcher import free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
-from router.settings import RouterSettings
 from testkit.harness import publish_ready
 from testkit.redis_server import RedisServer
 from testkit.stub_upstream import STUB_MODEL, StubUpstream, new_event_loop
@@ -80,7 +78,7 @@ def ensure_tools(venv: Path) -> Path:
     if not ok or not (venv / "bin" / "py-spy").exists():
         print(f"installing vllm-router=={PEER_VERSION} and py-spy into {venv}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-        subprocess.run([str(py), "-m", "ensurepip", "-q"], check=True)
+        subprocess.run([str(py), "-m", "ensurepip"], check=True, capture_output=True)
         pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, f"vllm-router=={PEER_VERSION}", "py-spy"], check=True)
     return py
@@ -146,7 +144,23 @@ async def start_router(work: Path, redis_url: str, namespace: str, workers: int 
     proc = await spawn(work, f"router-{namespace}-w{workers}", argv, env)
     url = f"http://127.0.0.1:{port}"
     await wait_ready(url + "/healthz", proc)
+    await all_workers_listen(url, workers)
     return Server("rolloutpool", proc, url)
+
+
+async def all_workers_listen(url: str, workers: int, timeout_s: float = 120) -> None:
+    """Until each of ``workers`` processes answered ``/healthz`` (new connections are spread
+    only over the workers already listening; the client's keep-alive pool is made after)."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(pids) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(pids)} of {workers} router workers answered")
+        async with aiohttp.ClientSession() as s, s.get(url + "/healthz") as r:
+            if r.status == 200:
+                pids.add((await r.json())["worker"]["pid"])
+            else:
+                await asyncio.sleep(0.1)
 
 
 async def start_peer(work: Path, python: Path, upstreams: list[str], name: str) -> Server:
@@ -466,9 +480,6 @@ def summary_line(r: dict[str, Any]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    for n in args.router_workers:
-        if n != 1 and "workers" not in RouterSettings.model_fields:
-            raise SystemExit(f"--router-workers {n}: this router has no 'workers' setting yet")
     load_start = os.getloadavg()
     procs_before = all_processes()
     tools = await asyncio.to_thread(ensure_tools, args.tools_venv)
@@ -482,7 +493,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         admission = await asyncio.to_thread(asyncio.run, coro)
     print(f"admission, one connection: {admission:,.0f} pairs/s", flush=True)
     e2e = None
-    if not args.skip_e2e:
+    if args.skip_e2e:
+        e2e = carried_e2e(args.out)
+    else:
         e2e = await _e2e_vllm.run(
             work / "e2e", tools, start_router, start_peer, rounds=args.e2e_rounds
         )
@@ -499,6 +512,32 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "other_processes": others(procs_before, all_processes(), ours),
         },
     )
+
+
+def carried_e2e(name: str) -> dict[str, Any] | None:
+    """The end-to-end phase of the previous result file, marked as carried over (its date and
+    command), for a run with ``--skip-e2e``; None if there is none."""
+    import json
+
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    e2e = old.get("e2e_vllm_bench_serve")
+    if not e2e:
+        return None
+    if "carried_over" not in e2e:
+        e2e = {
+            "carried_over": {
+                "date": old.get("date"),
+                "command": old.get("command"),
+                "note": "not rerun with this file's other phases (--skip-e2e): measured in "
+                "the run of that date; it is bound by the vLLM replicas (router and Redis used "
+                "a few % of the cores), not by the router's own cost",
+            },
+            **e2e,
+        }
+    return e2e
 
 
 def assemble(
@@ -544,9 +583,10 @@ def assemble(
             "measured": sorted(workers, key=int),
             "by_workers": workers,
             "note": "requests/s of RolloutPool's router alone at concurrency "
-            f"{args.alone_concurrency} on the stub, per worker count. python -m router has no "
-            "--workers yet: only 1 was measured; rerun with --router-workers 1 2 once it "
-            "exists (the bench passes ROLLOUTPOOL_ROUTER_WORKERS=N and --workers N)",
+            f"{args.alone_concurrency} on the stub, per worker count (python -m router "
+            "--workers N: N SO_REUSEPORT processes). On this 2-core box the stub, Redis and "
+            "the client share the cores with the workers, so a second worker adds less than a "
+            "core's worth",
         },
         "interleaved": {k: v for k, v in stub.items() if k.startswith("c")},
         "interleaved_stream": {k: v for k, v in stub.items() if k.startswith("stream_c")},
@@ -585,7 +625,11 @@ def main() -> None:
     ap.add_argument("--router-workers", type=int, nargs="+", default=[1])
     ap.add_argument("--admission-pairs", type=int, default=20000)
     ap.add_argument("--tools-venv", type=Path, default=TOOLS_VENV)
-    ap.add_argument("--skip-e2e", action="store_true", help="no vLLM phase (item 5)")
+    ap.add_argument(
+        "--skip-e2e",
+        action="store_true",
+        help="no vLLM phase (item 5): the previous result's is carried over, marked so",
+    )
     ap.add_argument("--e2e-rounds", type=int, default=2)
     ap.add_argument("--skip-profile", action="store_true")
     ap.add_argument("--out", default="router_vs_peer", help="result name under bench/results")

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -169,8 +170,15 @@ async def _warn_if_open(app: web.Application) -> None:
         )
 
 
-def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.Application:
-    """A wired router app (no I/O until it is started)."""
+def create_app(
+    settings: RouterSettings,
+    store_settings: StoreSettings,
+    *,
+    worker: tuple[int, int] | None = None,
+) -> web.Application:
+    """A wired router app (no I/O until it is started). ``worker``: (index, count) when it is
+    one of several processes serving one port (:mod:`router.workers`); ``/healthz`` says which
+    (``worker``: index, count and pid)."""
     registry = CollectorRegistry()
     metrics = RouterMetrics.create(registry)
     app = web.Application(
@@ -196,7 +204,9 @@ def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.A
     app.router.add_post("/v1/rollouts/{rollout_id}/heartbeat", sessions.heartbeat)
     app.router.add_post("/v1/rollouts/{rollout_id}/close", sessions.close_session)
     app.router.add_get("/v1/pool", pool_handler(settings.max_staleness), allow_head=False)
-    app.router.add_get("/healthz", healthz_handler(), allow_head=False)
+    index, count = worker or (0, 1)
+    me = {"worker": {"index": index, "of": count, "pid": os.getpid()}}
+    app.router.add_get("/healthz", healthz_handler(lambda _: (True, me)), allow_head=False)
     app.router.add_get("/metrics", metrics_handler(), allow_head=False)
     app.router.add_get("/dashboard", status.dashboard, allow_head=False)
     app.router.add_post("/v1/admin/replicas/{replica_id}/taint", status.taint)

@@ -70,17 +70,27 @@ class Outcome:
     reason: str = DEFAULT_REASON
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: The replica gave a complete answer (finished, ended by vLLM's own abort, or violating
+    #: its binding): its output
+    #: is delivered only if the settlement confirms the binding.
+    answered: bool = False
 
     def abort(self, reason: str) -> None:
-        self.state, self.reason = BindingState.ABORTED, reason
+        self.state, self.reason, self.answered = BindingState.ABORTED, reason, False
 
-    def finish(self, tokens: tuple[int, int] | None) -> None:
-        self.state, self.reason = BindingState.FINISHED, ""
+    def finish(self, tokens: tuple[int, int] | None, aborted: str | None = None) -> None:
+        """A complete answer; ``aborted``: vLLM ended it itself (``finish_reason: "abort"``,
+        or no token at all), so the binding ends ``aborted`` with that reason."""
+        if aborted is None:
+            self.state, self.reason = BindingState.FINISHED, ""
+        else:
+            self.state, self.reason = BindingState.ABORTED, aborted
+        self.answered = True
         if tokens is not None:
             self.prompt_tokens, self.completion_tokens = tokens
 
     def violate(self, reason: str) -> None:
-        self.state, self.reason = BindingState.VIOLATED, reason
+        self.state, self.reason, self.answered = BindingState.VIOLATED, reason, True
 
 
 class Settled(StrEnum):

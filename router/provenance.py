@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +29,7 @@ HEADER_REPLICA = "X-Rollout-Replica"
 
 def new_rollout_id() -> str:
     """A fresh, unguessable rollout id (it doubles as the capability to use a session)."""
-    return f"ro-{uuid.uuid4().hex}"
+    return "ro-" + os.urandom(16).hex()  # 32 hex digits like uuid4().hex, 128 random bits
 
 
 @dataclass(frozen=True)

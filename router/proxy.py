@@ -8,7 +8,8 @@ the client's in exactly these ways:
   the router's ``served_model_name``, a replica's id, or nothing; anything else is 404
   ``model_not_found``. Responses carry the name the client asked for.
 * ``cache_salt`` becomes the bound generation's label (``label:client-salt`` if the client sent
-  one), so prefix-cache entries never cross a weight change (reference/vllm-api.md §4).
+  one, hashed where vLLM would refuse it: :func:`cache_salt`), so prefix-cache entries never
+  cross a weight change (reference/vllm-api.md §4).
 * the optional ``rollout`` field (constraints) is removed; streamed requests ask for a final
   ``usage`` chunk (dropped again if the client did not ask for it); replicas on vLLM 0.33+ are
   asked for ``weight_versions`` on completions too.
@@ -36,6 +37,8 @@ what happened                               binding / answer
 ==========================================  ===========================================
 2xx, spans (if any) prove the label         ``finished`` with usage token counts
 spans contradict the label                  ``violated``; replica tainted; 502
+vLLM aborted it (``finish_reason`` abort,   ``aborted`` "upstream aborted the request ...";
+or a stream with no finishing chunk)        the answer passed through
 upstream 4xx                                ``aborted`` "upstream 4xx: HTTP n"; status and
                                             body passed through
 upstream 5xx / bad body                     ``aborted``; 502
@@ -68,8 +71,8 @@ leaving (the next SSE write fails: same outcome); a non-streamed request then ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -78,16 +81,19 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from pool.errors import StoreError
-from pool.types import BindingState, ReplicaRecord
+from pool.types import ReplicaRecord
 from pool.web import (
     CLIENT,
     BadRequest,
     Conflict,
     RouteNotFound,
+    dumpb,
     dumps,
     json_response,
+    loads,
     read_json_object,
 )
 from router import limits, sessions
@@ -119,9 +125,11 @@ from router.upstream import ReplicaInfo
 
 INFERENCE_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 GENERATE = "/inference/v1/generate"
-MAX_CACHE_SALT = 1024
+MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
 MAX_SSE_EVENT_BYTES = 64 * 1024 * 1024
 EXCERPT = 500
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 log = logging.getLogger("router")
 
@@ -247,7 +255,7 @@ async def run_settled(
         response = await forward(request, target, body, model, outcome, settle)
         if not response.prepared:  # a whole answer: settle, then deliver only if confirmed
             verdict = await settle(outcome)
-            if outcome.state is BindingState.FINISHED:
+            if outcome.answered:
                 await confirm(request, target, verdict)
             timings = request.get(TIMINGS)
             if timings is not None:
@@ -347,12 +355,23 @@ def check_fields(body: dict[str, Any]) -> None:
 
 
 def cache_salt(label: str, client_salt: Any) -> str:
+    """The salt forwarded to the replica: the label, or ``label:client-salt``.
+
+    vLLM 0.32 refuses (400) a salt longer than :data:`MAX_CACHE_SALT` (128) characters or one
+    containing ``@``, ``/``, ``\\`` or NUL; a label (at most 128 characters of
+    ``[A-Za-z0-9-_.:+]``) always passes. A combined salt that would not pass is replaced by a
+    digest that still keys on both: ``label:<sha256 of the client salt>`` where that fits,
+    else the sha256 of ``label:client-salt`` (64 hex digits). Equal client salts keep sharing
+    their prefix cache within a generation; nothing is shared across generations."""
     if not isinstance(client_salt, str) or not client_salt:
         return label
     salt = f"{label}:{client_salt}"
-    if len(salt) > MAX_CACHE_SALT:
-        salt = f"{label}:{hashlib.sha256(client_salt.encode()).hexdigest()}"
-    return salt
+    if len(salt) <= MAX_CACHE_SALT and not _SALT_FORBIDDEN.intersection(salt):
+        return salt
+    digest = hashlib.sha256(client_salt.encode()).hexdigest()
+    if len(label) + 1 + len(digest) <= MAX_CACHE_SALT:
+        return f"{label}:{digest}"
+    return hashlib.sha256(salt.encode()).hexdigest()
 
 
 def upstream_body(
@@ -397,15 +416,13 @@ async def forward(
             replica=target.replica.replica_id,
             rollout=target.info.as_json(),
         ) from e
-    payload = dumps(upstream_body(body, route, target.info.label, info, stream)).encode()
-    url = target.replica.url.rstrip("/") + route
+    payload = dumpb(upstream_body(body, route, target.info.label, info, stream))
+    url = upstream_url(target.replica.url, route)
     sent = time.perf_counter()
     deadline = asyncio.timeout_at(target.deadline.at)
     try:
         async with deadline:
-            resp = await app[HTTP].post(
-                url, data=payload, headers={"Content-Type": "application/json"}
-            )
+            resp = await app[HTTP].post(url, data=payload, headers=JSON_HEADERS)
     except (aiohttp.ClientError, TimeoutError) as e:
         raise _upstream_failure(e, target, outcome, "request", deadline.expired()) from e
     complete = False
@@ -424,6 +441,12 @@ async def forward(
             resp.release()  # back to the pool if fully read, else the connection is closed
         else:
             resp.close()  # drops the connection: vLLM sees the disconnect and aborts
+
+
+@functools.lru_cache(maxsize=1024)
+def upstream_url(base: str, route: str) -> URL:
+    """The replica's URL for ``route``, parsed once (not on every request)."""
+    return URL(base.rstrip("/") + route)
 
 
 def _upstream_failure(
@@ -547,7 +570,7 @@ async def _whole(
         if status == 404:
             request.app[CATALOG].forget(target.replica)
         try:
-            err = json.loads(raw)
+            err = loads(raw)
         except ValueError:
             err = None
         if isinstance(err, dict):
@@ -557,7 +580,7 @@ async def _whole(
             body=raw, status=status, headers=info.headers(), content_type=resp.content_type
         )
     try:
-        data = json.loads(raw)
+        data = loads(raw)
     except ValueError:
         data = None
     if not isinstance(data, dict):
@@ -588,7 +611,7 @@ async def _whole(
             reason=violation,
             rollout=info.as_json(),
         )
-    outcome.finish(usage_tokens(data))
+    outcome.finish(usage_tokens(data), upstream_aborted(finish_reasons(data), usage_tokens(data)))
     data["rollout"] = info.as_json()
     if model is not None and "model" in data:
         data["model"] = model
@@ -623,11 +646,36 @@ async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
             yield b"\n".join(lines)
 
 
-def _finishes(chunk: dict[str, Any]) -> bool:
-    choices = chunk.get("choices")
-    return isinstance(choices, list) and any(
-        isinstance(c, dict) and c.get("finish_reason") is not None for c in choices
-    )
+def finish_reasons(body: dict[str, Any]) -> list[str]:
+    """The ``finish_reason`` of every choice in ``body`` (a response or a chunk) that has one."""
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return []
+    return [
+        str(c["finish_reason"])
+        for c in choices
+        if isinstance(c, dict) and c.get("finish_reason") is not None
+    ]
+
+
+def upstream_aborted(reasons: list[str], tokens: tuple[int, int] | None) -> str | None:
+    """Why a complete answer counts as aborted by vLLM, or None if it finished.
+
+    vLLM ends an aborted request (``/abort_requests``, a pause in ``abort`` mode) with
+    ``finish_reason: "abort"`` (one it could not run, from 0.33: ``"error"``), or, for a
+    completion or chat request aborted before its first token, streams no finishing choice
+    chunk at all: only the usage chunk and ``[DONE]`` (pinned against real vLLM by
+    ``test_standin_conformance``)."""
+    completion = None if tokens is None else tokens[1]
+    for reason in ("abort", "error"):
+        if reason in reasons:
+            after = "" if completion is None else f" after {completion} tokens"
+            return f"upstream aborted the request (finish_reason {reason!r}){after}"
+    if not reasons:
+        if not completion:
+            return "upstream aborted the request before its first token"
+        return "upstream ended the stream without a finish_reason"
+    return None
 
 
 async def _stream(
@@ -673,6 +721,7 @@ async def _stream(
 
     check = SpanCheck(info.label)
     tokens: tuple[int, int] | None = None
+    reasons: list[str] = []
     held: dict[str, Any] | None = None
     error: str | None = None
     failure: str | None = None
@@ -686,7 +735,7 @@ async def _stream(
                         done = True
                         break
                     try:
-                        chunk = json.loads(payload)
+                        chunk = loads(payload)
                     except ValueError:
                         chunk = None
                     if not isinstance(chunk, dict):
@@ -703,12 +752,14 @@ async def _stream(
                     if usage_only and not wants_usage:
                         continue
                     if held is not None:
-                        await send(dumps(held).encode())
+                        await send(dumpb(held))
                         held = None
-                    if usage_only or _finishes(chunk):
+                    ends = finish_reasons(chunk)
+                    reasons += ends
+                    if usage_only or ends:
                         held = chunk
                     else:
-                        await send(dumps(chunk).encode())
+                        await send(dumpb(chunk))
         except (aiohttp.ClientError, TimeoutError) as e:
             if deadline.expired():
                 failure = target.deadline.reason
@@ -727,7 +778,7 @@ async def _stream(
         elif not done:
             outcome.abort("upstream stream ended without [DONE]")
         else:
-            outcome.finish(tokens)
+            outcome.finish(tokens, upstream_aborted(reasons, tokens))
         verdict = await settle(outcome)
 
         rollout = info.as_json()
@@ -739,7 +790,7 @@ async def _stream(
         elif failure is not None or (not done and error is None):
             code = "deadline_exceeded" if deadline.expired() else "upstream_error"
             problem = (code, failure or "upstream stream ended without [DONE]")
-        elif outcome.state is not BindingState.ABORTED and verdict is not Settled.CONFIRMED:
+        elif outcome.answered and verdict is not Settled.CONFIRMED:
             rollout["unconfirmed"] = True
             why = "could not be confirmed" if verdict is Settled.UNCONFIRMED else "was ended"
             problem = (
@@ -749,10 +800,10 @@ async def _stream(
             )
         if held is not None:
             held["rollout"] = rollout
-            await send(dumps(held).encode())
+            await send(dumpb(held))
         if problem is not None:
             err = {"code": problem[0], "message": problem[1], "rollout": rollout}
-            await send(dumps({"error": err}).encode())
+            await send(dumpb({"error": err}))
         else:
             await send(b"[DONE]")
         await send(None)

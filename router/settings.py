@@ -23,6 +23,12 @@ MIB = 1024 * 1024
 class RouterSettings(BaseSettings):
     """Everything the router needs besides the store (:class:`pool.settings.StoreSettings`).
 
+    ``workers`` (``python -m router --workers N`` overrides it): processes serving ``port``
+    together with ``SO_REUSEPORT`` (:mod:`router.workers`), each a whole router; 0 means one
+    per core. Each worker applies ``client_max_in_flight``, ``session_max_in_flight`` and the
+    rate limit to its own requests; its ``/metrics`` are its own (a scrape through the shared
+    port reaches one worker) and ``/healthz`` names it (``worker``: index, count, pid).
+
     Timing contracts:
 
     * ``admission_wait_s`` bounds how long a request queues for an eligible replica before it
@@ -64,6 +70,7 @@ class RouterSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    workers: int = Field(default=1, ge=0)
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     admin_token: SecretStr | None = None
     served_model_name: str = Field(default="rolloutpool", min_length=1)

@@ -3,7 +3,8 @@
 :func:`client_session` builds the one :class:`aiohttp.ClientSession` every forwarded request
 uses (a connection pool of ``upstream_connections``; idle connections are dropped after
 ``upstream_keepalive_s``, below vLLM's own keep-alive, so a pooled connection is never reused
-just as the server closes it).
+just as the server closes it; no cookie jar: what one replica sets is never sent on another
+rollout's request).
 
 :class:`ReplicaCatalog` answers "which model id does this replica serve and which vLLM version
 is it" from ``GET /v1/models`` and ``GET /version``, fetched once per (replica, url, generation)
@@ -51,6 +52,7 @@ def client_session(settings: RouterSettings) -> aiohttp.ClientSession:
         connector=connector,
         timeout=timeout,
         headers=headers,
+        cookie_jar=aiohttp.DummyCookieJar(),  # a replica's cookies are never replayed
         auto_decompress=False,
         raise_for_status=False,
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import LockError, RedisError
@@ -28,6 +29,7 @@ from pool.errors import (
 from pool.records import UpdateRecord
 from pool.settings import StoreSettings
 from pool.store import scripts
+from pool.store.batch import ScriptBatcher
 from pool.store.connect import Clients, connect
 from pool.store.failover import Failover, describe_token
 from pool.store.keys import Keys
@@ -103,6 +105,12 @@ class RedisStore:
         self._declare: AsyncScript = reg(scripts.DECLARE)
         self._register: AsyncScript = reg(scripts.REGISTER)
         self._maxlen = str(settings.journal_maxlen)
+        #: Group commit of ADMIT and RELEASE (not on a Cluster: its pipelines route per node).
+        self._batch = (
+            None
+            if isinstance(client, RedisCluster)
+            else ScriptBatcher(client, self._call, self._translate)
+        )
         #: The failover epoch and the router registry (:mod:`pool.store.failover`).
         self.failover = Failover(self, self._clients.sentinel)
 
@@ -123,30 +131,44 @@ class RedisStore:
             return await fn()
         except LockError:
             raise  # the lease's own protocol errors; UpdaterLease translates them
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        except (RedisError, OSError) as e:
+            raise self._translate(e) from e
+
+    def _translate(self, e: Exception) -> Exception:
+        """The pool's error for a redis-py error (``e`` itself for anything else)."""
+        if isinstance(e, RedisConnectionError | RedisTimeoutError | OSError):
             # redis-py's blocking pool says so when no connection freed up in time: Redis is
             # fine, this process is saturated (a unit test pins the message)
             if isinstance(e, RedisConnectionError) and str(e) == _POOL_EXHAUSTED:
-                raise StoreBusy(
+                return StoreBusy(
                     f"all {self.settings.max_connections} Redis connections stayed busy for "
                     f"{self.settings.pool_timeout_s:g} s"
-                ) from e
-            raise StoreUnavailable(
+                )
+            return StoreUnavailable(
                 f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
-            ) from e
-        except RedisError as e:
+            )
+        if isinstance(e, RedisError):
             transient = _TRANSIENT.intersection(str(e).replace(":", " ").split())
             if transient:
                 # a primary that has no replica in sync yet (min-replicas-to-write), a demoted
                 # or loading one, a cluster mid-failover: like an outage, it passes by itself
                 # (pipelines report it as "Command # n (...) of pipeline caused error: ...")
-                raise StoreUnavailable(
+                return StoreUnavailable(
                     f"Redis at {self.settings.safe_url} refuses writes for now ({min(transient)})"
-                ) from e
-            raise StoreError(f"redis error: {e}") from e
+                )
+            return StoreError(f"redis error: {e}")
+        return e
 
     async def _script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
         out = await self._call(lambda: script(keys=keys, args=[str(a) for a in args]))
+        return [str(x) for x in out]
+
+    async def _batched(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
+        """:meth:`_script`, sharing round trips with concurrent calls (:mod:`pool.store.batch`;
+        direct on a Cluster)."""
+        if self._batch is None:
+            return await self._script(script, keys, args)
+        out = await self._batch.run(script, keys, [str(a) for a in args])
         return [str(x) for x in out]
 
     async def _durable(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
@@ -227,7 +249,7 @@ class RedisStore:
             0 if terms.idle_s is None else _ms(terms.idle_s),
             terms.quota,
         ]
-        run = self._durable if session else self._script
+        run = self._durable if session else self._batched
         out = await run(self._admit, keys, args)
         if out[0] == "refused" and out[1] == "client_quota" and await self._prune(keys[-1]):
             out = await run(self._admit, keys, args)
@@ -273,7 +295,7 @@ class RedisStore:
         """
         if state is BindingState.ACTIVE:
             raise ValueError("release needs a final state")
-        out = await self._script(
+        out = await self._batched(
             self._release,
             [
                 self.k.binding(rollout_id),

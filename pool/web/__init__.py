@@ -40,7 +40,7 @@ from pool.web.handlers import (
     pool_handler,
     read_pool_view,
 )
-from pool.web.responses import dumps, json_response
+from pool.web.responses import dumpb, dumps, json_response, loads
 from pool.web.server import run, start_server
 
 __all__ = [
@@ -61,10 +61,12 @@ __all__ = [
     "Unprocessable",
     "auth_middleware",
     "bearer_token",
+    "dumpb",
     "dumps",
     "error_middleware",
     "healthz_handler",
     "json_response",
+    "loads",
     "metrics_handler",
     "openapi_handler",
     "pool_handler",

@@ -7,6 +7,8 @@ regardless shields it (:func:`asyncio.shield`). No access log (the services log 
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 
@@ -34,6 +36,24 @@ async def start_server(
     return runner, bound
 
 
-def run(app: web.Application, host: str, port: int) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM, then run its cleanup (the ``__main__`` entry)."""
-    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=None)
+def run(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    reuse_port: bool = False,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM, then run its cleanup (the ``__main__`` entry).
+    ``reuse_port``: bind with ``SO_REUSEPORT`` (several processes share the port); ``loop``:
+    the event loop to run on (e.g. uvloop's)."""
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        handler_cancellation=True,
+        access_log=None,
+        print=None,
+        reuse_port=reuse_port or None,
+        loop=loop,
+    )

@@ -26,11 +26,13 @@ from jsonschema import Draft202012Validator
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, ReplicaState
+from router import proxy
 from router.app import create_app
 from router.openapi import document
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client, settled
 from testkit.redis_server import RedisServer
+from testkit.standin.protocol import check_cache_salt
 
 MODEL_PATH = "/fake/models/tiny"
 
@@ -126,7 +128,12 @@ class FakeVllm:
             request.transport.abort()
             await asyncio.sleep(1)
             return web.Response()
-        if self.mode in ("stream", "stream_drop", "slow_stream", "flood"):
+        if self.mode == "aborted":  # as vLLM answers a request aborted while queued
+            out = self.completion(body)
+            out["choices"][0].update(finish_reason="abort", token_ids=[], text="")
+            out["usage"].update(completion_tokens=0, total_tokens=3)
+            return web.json_response(out)
+        if self.mode in ("stream", "stream_drop", "slow_stream", "flood", "stream_aborted"):
             return await self._stream(request, body)
         raise AssertionError(self.mode)
 
@@ -148,6 +155,15 @@ class FakeVllm:
                 c["weight_versions"] = spans
             return {"id": "cmpl-s", "model": body.get("model"), "choices": [c]}
 
+        if self.mode == "stream_aborted":
+            # what vLLM 0.32 streams for a completion aborted before its first token (pinned
+            # against real vLLM in test_standin_conformance): no choice chunk, the usage
+            # chunk with 0 completion tokens, [DONE]
+            usage = {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
+            await event({"id": "cmpl-s", "model": body.get("model"), "choices": [], "usage": usage})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if self.mode == "slow_stream":
             for i in range(400):
                 await event(chunk([i], None))
@@ -276,6 +292,26 @@ async def test_forwarded_body_salt_model_and_provenance(
         r = await c.post("/v1/completions", json={"model": "other", "prompt": "p"})
         assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
     await no_leaks(store)
+
+
+def test_cache_salt_is_always_acceptable_to_vllm_032() -> None:
+    """Pins the fix of salts vLLM 0.32 refuses with 400 (> 128 characters, or '@', '/', '\\',
+    NUL): the router only hashed salts over 1024 characters, so such a client salt failed the
+    request. Every forwarded salt now passes the stand-in's copy of vLLM's rule, still keys on
+    the label, and distinct client salts stay distinct."""
+    long_label = "L" * 128
+    salts = ["tenant-7", "a/b", "user@host", "back\\slash", "nul\x00", "x" * 125, "y" * 2000]
+    for label in ("g0", "g1", long_label):
+        forwarded = [proxy.cache_salt(label, s) for s in salts]
+        for salt in forwarded:
+            check_cache_salt(salt)  # raises like vLLM 0.32 would answer 400
+        assert len(set(forwarded)) == len(salts)
+        if label != long_label:
+            assert all(f.startswith(f"{label}:") for f in forwarded)
+        assert proxy.cache_salt(label, None) == label
+    assert proxy.cache_salt("g0", "tenant-7") == "g0:tenant-7"  # acceptable: kept readable
+    assert proxy.cache_salt("g0", "a/b") != proxy.cache_salt("g1", "a/b")
+    assert proxy.cache_salt(long_label, "t") != proxy.cache_salt("M" * 128, "t")
 
 
 async def test_033_replicas_are_asked_for_spans(
@@ -407,6 +443,46 @@ async def test_buffered_upstream_bodies_are_capped(
         f.mode = "ok"  # a body within the cap passes
         r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
         assert r.status == 200
+    await no_leaks(store)
+
+
+async def test_requests_vllm_aborted_are_recorded_aborted(
+    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Pins the fix: a request vLLM aborted before its first token (an abort while it was
+    queued) streams no choice chunk, only usage and ``[DONE]``; the router recorded it as
+    ``finished`` with 0 tokens. It is now ``aborted`` with the reason; the client gets what vLLM
+    sent (``[DONE]``, the rollout object on the usage chunk it asked for). The same for a whole
+    answer whose choice ended with ``finish_reason: "abort"``."""
+    f, url = fake
+    await publish_ready(store, [("r0", url)])
+    async with router_client(settings(), store_settings) as c:
+        f.mode = "stream_aborted"
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "model": "rolloutpool",
+                "prompt": "p",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        assert r.status == 200
+        events = await sse(r)
+        assert events[-1] == "[DONE]" and events[0]["choices"] == []
+        assert events[0]["rollout"]["id"] == r.headers["X-Rollout-Id"]
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert (b.state, b.completion_tokens) == (BindingState.ABORTED, 0)
+        assert b.reason == "upstream aborted the request before its first token"
+
+        f.mode = "aborted"
+        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "abort"
+        b = await settled(store, r.headers["X-Rollout-Id"])
+        assert (b.state, b.reason) == (
+            BindingState.ABORTED,
+            "upstream aborted the request (finish_reason 'abort') after 0 tokens",
+        )
     await no_leaks(store)
 
 
