@@ -12,7 +12,8 @@ Modules (read in this order):
 * :mod:`router.settings` — ``RouterSettings`` (env ``ROLLOUTPOOL_ROUTER_*``)
 * :mod:`router.app` — ``create_app(settings, store_settings)``, resources (serve it with
   :func:`pool.web.start_server`)
-* :mod:`router.proxy` — forwarding, SSE streaming, the outcome of each request
+* :mod:`router.proxy` — forwarding: the request's path and the outcome of each request
+* :mod:`router.answers` — the replica's answer passed on (whole or SSE), span check, settling
 * :mod:`router.admission` — constraints, the cached pool view, ordering and admitting
 * :mod:`router.sessions` — ``/v1/rollouts`` (multi-request rollouts) and provenance records
 * :mod:`router.limits` — what a client may hold: requests in flight, the terms of its rollouts
@@ -20,7 +21,9 @@ Modules (read in this order):
 * :mod:`router.bindings` — releasing (shielded, retried) and lease renewal
 * :mod:`router.provenance` — the ``rollout`` object, ``X-Rollout-*`` headers, span check
 * :mod:`router.upstream` — the pooled client session and the replicas' model ids
-* :mod:`router.status` — ``/v1/models``, ``/dashboard``, admin taint
+* :mod:`router.status` — ``/v1/models``, admin taint; :mod:`router.dashboard` — ``/dashboard``
+* :mod:`router.failover` — bindings verified in every new Redis failover epoch
+* :mod:`router.workers` — ``--workers N``: SO_REUSEPORT worker processes
 * :mod:`router.auth` (the router's auth policy, rate limit), :mod:`router.errors` (502/503/504),
   :mod:`router.keys`, :mod:`router.openapi`
 
