@@ -6,6 +6,8 @@ with its KEYS, ARGV and return value. All keys share the hash tag ``{<namespace>
 Cluster slot holds the whole pool, and every key a script touches arrives through KEYS.
 
 Modules: :mod:`pool.store.scripts` (the Lua), :mod:`pool.store.keys` (key names),
+:mod:`pool.store._client` (the redis-py seam: error translation, running scripts),
+:mod:`pool.store.batch` (concurrent ADMIT/RELEASE calls share one round trip),
 :mod:`pool.store.connect` (standalone, Sentinel or Cluster clients), :mod:`pool.store.lease`
 (the updater lease, I8), :mod:`pool.store.failover` (the failover epoch, epoch-qualified
 fencing tokens, the router registry), :mod:`pool.store.terms` (what an admission binds: owner,

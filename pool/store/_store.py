@@ -4,35 +4,23 @@ map and the concurrency and failure contracts)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-
-from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import LockError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pool.errors import (
     AdmissionRefused,
     LimitReached,
     NotFound,
-    NotReplicated,
     StaleFencingToken,
-    StoreBusy,
     StoreConflict,
-    StoreError,
-    StoreUnavailable,
 )
 from pool.records import UpdateRecord
 from pool.settings import StoreSettings
-from pool.store import scripts
-from pool.store.batch import ScriptBatcher
-from pool.store.connect import Clients, connect
+from pool.store._client import StoreClient, ms
+from pool.store.connect import Clients
 from pool.store.failover import Failover, describe_token
-from pool.store.keys import Keys
 from pool.store.lease import UpdaterLease
 from pool.store.terms import NO_TERMS, Terms, limit_reason
 from pool.types import (
@@ -67,22 +55,11 @@ class JournalEntry:
         return self.fields.get("type", "")
 
 
-_POOL_EXHAUSTED = "No connection available."
-#: Error replies that mean "this primary cannot take writes right now" (failover in progress).
-_TRANSIENT = frozenset(
-    {"NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
-)
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
-
-
 def _int_or_none(raw: str | None) -> int | None:
     return int(raw) if raw else None
 
 
-class RedisStore:
+class RedisStore(StoreClient):
     """The pool's shared state in Redis. One instance per process; safe for concurrent tasks.
 
     Construct with :meth:`connect`; close with :meth:`close`. See the module docstring for the
@@ -92,112 +69,9 @@ class RedisStore:
     def __init__(
         self, client: Any, settings: StoreSettings, clients: Clients | None = None
     ) -> None:
-        self.r = client
-        self.settings = settings
-        self.k = Keys(settings.namespace)
-        self._clients = clients or Clients(client)
-        reg = client.register_script
-        self._admit: AsyncScript = reg(scripts.ADMIT)
-        self._release: AsyncScript = reg(scripts.RELEASE)
-        self._touch: AsyncScript = reg(scripts.TOUCH)
-        self._transition: AsyncScript = reg(scripts.TRANSITION)
-        self._taint: AsyncScript = reg(scripts.TAINT)
-        self._declare: AsyncScript = reg(scripts.DECLARE)
-        self._register: AsyncScript = reg(scripts.REGISTER)
-        self._maxlen = str(settings.journal_maxlen)
-        #: Group commit of ADMIT and RELEASE (not on a Cluster: its pipelines route per node).
-        self._batch = (
-            None
-            if isinstance(client, RedisCluster)
-            else ScriptBatcher(client, self._call, self._translate)
-        )
+        super().__init__(client, settings, clients)
         #: The failover epoch and the router registry (:mod:`pool.store.failover`).
         self.failover = Failover(self, self._clients.sentinel)
-
-    @classmethod
-    def connect(cls, settings: StoreSettings) -> RedisStore:
-        """A store on a bounded, blocking connection pool (``StoreSettings.max_connections``)
-        to a standalone Redis, the primary a set of sentinels names, or a Cluster
-        (:mod:`pool.store.connect`). No I/O until the first call."""
-        clients = connect(settings)
-        return cls(clients.data, settings, clients)
-
-    async def close(self) -> None:
-        await self._clients.aclose()
-
-    async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """Run one redis-py call, translating its errors into the pool's (the seam)."""
-        try:
-            return await fn()
-        except LockError:
-            raise  # the lease's own protocol errors; UpdaterLease translates them
-        except (RedisError, OSError) as e:
-            raise self._translate(e) from e
-
-    def _translate(self, e: Exception) -> Exception:
-        """The pool's error for a redis-py error (``e`` itself for anything else)."""
-        if isinstance(e, RedisConnectionError | RedisTimeoutError | OSError):
-            # redis-py's blocking pool says so when no connection freed up in time: Redis is
-            # fine, this process is saturated (a unit test pins the message)
-            if isinstance(e, RedisConnectionError) and str(e) == _POOL_EXHAUSTED:
-                return StoreBusy(
-                    f"all {self.settings.max_connections} Redis connections stayed busy for "
-                    f"{self.settings.pool_timeout_s:g} s"
-                )
-            return StoreUnavailable(
-                f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
-            )
-        if isinstance(e, RedisError):
-            transient = _TRANSIENT.intersection(str(e).replace(":", " ").split())
-            if transient:
-                # a primary that has no replica in sync yet (min-replicas-to-write), a demoted
-                # or loading one, a cluster mid-failover: like an outage, it passes by itself
-                # (pipelines report it as "Command # n (...) of pipeline caused error: ...")
-                return StoreUnavailable(
-                    f"Redis at {self.settings.safe_url} refuses writes for now ({min(transient)})"
-                )
-            return StoreError(f"redis error: {e}")
-        return e
-
-    async def _script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
-        out = await self._call(lambda: script(keys=keys, args=[str(a) for a in args]))
-        return [str(x) for x in out]
-
-    async def _batched(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
-        """:meth:`_script`, sharing round trips with concurrent calls (:mod:`pool.store.batch`;
-        direct on a Cluster)."""
-        if self._batch is None:
-            return await self._script(script, keys, args)
-        out = await self._batch.run(script, keys, [str(a) for a in args])
-        return [str(x) for x in out]
-
-    async def _durable(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
-        """:meth:`_script`, followed on the same connection by ``WAIT wait_replicas`` when the
-        store is configured to wait (``StoreSettings.wait_replicas``). Raises
-        :class:`NotReplicated` if fewer replicas acknowledged in time: the write is on the
-        primary, but a failover could still lose it."""
-        n = self.settings.wait_replicas
-        if not n:
-            return await self._script(script, keys, args)
-        timeout_ms = _ms(self.settings.wait_timeout_s)
-
-        async def run() -> list[Any]:
-            async with self.r.pipeline(transaction=False) as p:
-                await script(keys=keys, args=[str(a) for a in args], client=p)
-                p.execute_command("WAIT", n, timeout_ms)
-                return list(await p.execute())
-
-        out, acked = await self._call(run)
-        if int(acked) < n:
-            raise NotReplicated(
-                f"a state change reached {int(acked)} of {n} replicas within "
-                f"{self.settings.wait_timeout_s:g} s",
-                replicas=int(acked),
-            )
-        return [str(x) for x in out]
-
-    async def ping(self) -> bool:
-        return bool(await self._call(self.r.ping))
 
     # ---------------------------------------------------------------- admission (routers)
 
@@ -224,7 +98,7 @@ class RedisStore:
         across many requests, and no router holds it between them, so a failover must not lose
         it (:class:`~pool.errors.NotReplicated` otherwise; its lease then ends it).
         """
-        lease_ms = _ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
+        lease_ms = ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
         keys = [
             self.k.replica(replica_id),
             self.k.active(replica_id),
@@ -245,8 +119,8 @@ class RedisStore:
             int(session),
             self._maxlen,
             terms.owner,
-            0 if terms.max_age_s is None else _ms(terms.max_age_s),
-            0 if terms.idle_s is None else _ms(terms.idle_s),
+            0 if terms.max_age_s is None else ms(terms.max_age_s),
+            0 if terms.idle_s is None else ms(terms.idle_s),
             terms.quota,
         ]
         run = self._durable if session else self._batched
@@ -311,7 +185,7 @@ class RedisStore:
                 reason,
                 prompt_tokens,
                 completion_tokens,
-                _ms(self.settings.binding_retention_s),
+                ms(self.settings.binding_retention_s),
                 self._maxlen,
                 int(only_if_expired),
             ],
@@ -343,7 +217,7 @@ class RedisStore:
         :class:`LimitReached` if the binding reached one of them (it is left for the caller or
         the reaper to end) and :class:`NotFound` if the binding is not active.
         """
-        lease_ms = _ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
+        lease_ms = ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
         out = await self._script(
             self._touch,
             [self.k.binding(rollout_id), self.k.leases],
@@ -382,7 +256,7 @@ class RedisStore:
                     for rid, lease_s in part:
                         await self._touch(
                             keys=[self.k.binding(rid), self.k.leases],
-                            args=[rid, _ms(lease_s), 0, 0, 0, 1],
+                            args=[rid, ms(lease_s), 0, 0, 0, 1],
                             client=p,
                         )
                     return list(await p.execute())

@@ -1,0 +1,154 @@
+"""The seam between the pool's store and redis-py: one client (standalone, Sentinel or Cluster),
+its errors translated into the pool's, and three ways to run a Lua script (alone, sharing a round
+trip with concurrent calls, or durable with ``WAIT``). :class:`pool.store.RedisStore` builds the
+pool's operations on it.
+
+Safe for concurrent tasks of one event loop; every call may raise
+:class:`~pool.errors.StoreUnavailable` (Redis unreachable or refusing writes for now, e.g. in a
+failover), :class:`~pool.errors.StoreBusy` (this process's connection pool stayed exhausted) or
+:class:`~pool.errors.StoreError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Self
+
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import LockError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pool.errors import NotReplicated, StoreBusy, StoreError, StoreUnavailable
+from pool.settings import StoreSettings
+from pool.store import scripts
+from pool.store.batch import ScriptBatcher
+from pool.store.connect import Clients, connect
+from pool.store.keys import Keys
+
+_POOL_EXHAUSTED = "No connection available."
+#: Error replies that mean "this primary cannot take writes right now" (failover in progress).
+_TRANSIENT = frozenset(
+    {"NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
+)
+
+
+def ms(seconds: float) -> int:
+    """Seconds as whole milliseconds, at least 1 (Redis expiry and WAIT arguments)."""
+    return max(1, int(seconds * 1000))
+
+
+class StoreClient:
+    """One process's connection to the pool's Redis, with the pool's scripts registered.
+
+    Construct with :meth:`connect`; close with :meth:`close`.
+    """
+
+    def __init__(
+        self, client: Any, settings: StoreSettings, clients: Clients | None = None
+    ) -> None:
+        self.r = client
+        self.settings = settings
+        self.k = Keys(settings.namespace)
+        self._clients = clients or Clients(client)
+        reg = client.register_script
+        self._admit: AsyncScript = reg(scripts.ADMIT)
+        self._release: AsyncScript = reg(scripts.RELEASE)
+        self._touch: AsyncScript = reg(scripts.TOUCH)
+        self._transition: AsyncScript = reg(scripts.TRANSITION)
+        self._taint: AsyncScript = reg(scripts.TAINT)
+        self._declare: AsyncScript = reg(scripts.DECLARE)
+        self._register: AsyncScript = reg(scripts.REGISTER)
+        self._maxlen = str(settings.journal_maxlen)
+        #: Group commit of ADMIT and RELEASE (not on a Cluster: its pipelines route per node).
+        self._batch = (
+            None
+            if isinstance(client, RedisCluster)
+            else ScriptBatcher(client, self._call, self._translate)
+        )
+
+    @classmethod
+    def connect(cls, settings: StoreSettings) -> Self:
+        """A store on a bounded, blocking connection pool (``StoreSettings.max_connections``)
+        to a standalone Redis, the primary a set of sentinels names, or a Cluster
+        (:mod:`pool.store.connect`). No I/O until the first call."""
+        clients = connect(settings)
+        return cls(clients.data, settings, clients)
+
+    async def close(self) -> None:
+        await self._clients.aclose()
+
+    async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Run one redis-py call, translating its errors into the pool's (the seam)."""
+        try:
+            return await fn()
+        except LockError:
+            raise  # the lease's own protocol errors; UpdaterLease translates them
+        except (RedisError, OSError) as e:
+            raise self._translate(e) from e
+
+    def _translate(self, e: Exception) -> Exception:
+        """The pool's error for a redis-py error (``e`` itself for anything else)."""
+        if isinstance(e, RedisConnectionError | RedisTimeoutError | OSError):
+            # redis-py's blocking pool says so when no connection freed up in time: Redis is
+            # fine, this process is saturated (a unit test pins the message)
+            if isinstance(e, RedisConnectionError) and str(e) == _POOL_EXHAUSTED:
+                return StoreBusy(
+                    f"all {self.settings.max_connections} Redis connections stayed busy for "
+                    f"{self.settings.pool_timeout_s:g} s"
+                )
+            return StoreUnavailable(
+                f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
+            )
+        if isinstance(e, RedisError):
+            transient = _TRANSIENT.intersection(str(e).replace(":", " ").split())
+            if transient:
+                # a primary that has no replica in sync yet (min-replicas-to-write), a demoted
+                # or loading one, a cluster mid-failover: like an outage, it passes by itself
+                # (pipelines report it as "Command # n (...) of pipeline caused error: ...")
+                return StoreUnavailable(
+                    f"Redis at {self.settings.safe_url} refuses writes for now ({min(transient)})"
+                )
+            return StoreError(f"redis error: {e}")
+        return e
+
+    async def _script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
+        out = await self._call(lambda: script(keys=keys, args=[str(a) for a in args]))
+        return [str(x) for x in out]
+
+    async def _batched(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
+        """:meth:`_script`, sharing round trips with concurrent calls (:mod:`pool.store.batch`;
+        direct on a Cluster)."""
+        if self._batch is None:
+            return await self._script(script, keys, args)
+        out = await self._batch.run(script, keys, [str(a) for a in args])
+        return [str(x) for x in out]
+
+    async def _durable(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
+        """:meth:`_script`, followed on the same connection by ``WAIT wait_replicas`` when the
+        store is configured to wait (``StoreSettings.wait_replicas``). Raises
+        :class:`NotReplicated` if fewer replicas acknowledged in time: the write is on the
+        primary, but a failover could still lose it."""
+        n = self.settings.wait_replicas
+        if not n:
+            return await self._script(script, keys, args)
+        timeout_ms = ms(self.settings.wait_timeout_s)
+
+        async def run() -> list[Any]:
+            async with self.r.pipeline(transaction=False) as p:
+                await script(keys=keys, args=[str(a) for a in args], client=p)
+                p.execute_command("WAIT", n, timeout_ms)
+                return list(await p.execute())
+
+        out, acked = await self._call(run)
+        if int(acked) < n:
+            raise NotReplicated(
+                f"a state change reached {int(acked)} of {n} replicas within "
+                f"{self.settings.wait_timeout_s:g} s",
+                replicas=int(acked),
+            )
+        return [str(x) for x in out]
+
+    async def ping(self) -> bool:
+        return bool(await self._call(self.r.ping))
