@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                 traceback.print_exc()
                 row = {"config": config, "error": f"{type(e).__name__}: {e}"}
         rows.append(row)
-        brief = {k2: row.get(k2) for k2 in ("rollouts_per_s", "roll_over_window_ratio_max",
-                 "capacity_ratio_vs_ideal", "cross_generation", "leaked_bindings", "error")}  # fmt: skip
+        keys = ("rollouts_per_s", "roll_over_window_ratio_max", "capacity_ratio_vs_ideal")
+        brief = {x: row.get(x) for x in (*keys, "cross_generation", "leaked_bindings", "error")}
         print(json.dumps(brief), flush=True)
         write(a.name, {**summary(rows, matrix), "rows": rows})
     print(json.dumps(summary(rows, matrix), indent=1))
