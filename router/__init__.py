@@ -20,7 +20,8 @@ Modules (read in this order):
 * :mod:`router.bindings` — releasing (shielded, retried) and lease renewal
 * :mod:`router.provenance` — the ``rollout`` object, ``X-Rollout-*`` headers, span check
 * :mod:`router.upstream` — the pooled client session and the replicas' model ids
-* :mod:`router.status` — ``/v1/models``, ``/dashboard``, admin taint
+* :mod:`router.status` — ``/v1/models``, admin taint
+* :mod:`router.dashboard` — ``/dashboard`` (grid, timelines, rates) and ``/dashboard/data``
 * :mod:`router.auth` (the router's auth policy, rate limit), :mod:`router.errors` (502/503/504),
   :mod:`router.keys`, :mod:`router.openapi`
 

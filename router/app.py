@@ -50,7 +50,7 @@ from pool.web import (
     openapi_handler,
     pool_handler,
 )
-from router import openapi, proxy, sessions, status
+from router import dashboard, openapi, proxy, sessions, status
 from router.admission import Admitter, ReplicaView
 from router.auth import rate_limit_middleware, router_auth
 from router.bindings import Bindings
@@ -198,7 +198,8 @@ def create_app(settings: RouterSettings, store_settings: StoreSettings) -> web.A
     app.router.add_get("/v1/pool", pool_handler(settings.max_staleness), allow_head=False)
     app.router.add_get("/healthz", healthz_handler(), allow_head=False)
     app.router.add_get("/metrics", metrics_handler(), allow_head=False)
-    app.router.add_get("/dashboard", status.dashboard, allow_head=False)
+    app.router.add_get("/dashboard", dashboard.dashboard, allow_head=False)
+    app.router.add_get("/dashboard/data", dashboard.dashboard_data, allow_head=False)
     app.router.add_post("/v1/admin/replicas/{replica_id}/taint", status.taint)
     document = functools.partial(
         openapi.document,
