@@ -315,7 +315,7 @@ async def _session(
     )
 
 
-async def _worker(
+async def worker(
     http: aiohttp.ClientSession, urls: list[str], p: Params, load: Load, seed: int
 ) -> None:
     rng = random.Random(seed)
@@ -422,7 +422,7 @@ class _Window:
         }
 
 
-async def _push(http: aiohttp.ClientSession, stack: Stack, n: int, p: Params) -> dict[str, Any]:
+async def push(http: aiohttp.ClientSession, stack: Stack, n: int, p: Params) -> dict[str, Any]:
     """Push marker checkpoint ``n`` and wait for its update record to be final."""
     headers = {"Authorization": f"Bearer {ADMIN}"}
     body = {
@@ -518,7 +518,7 @@ async def _run(p: Params, stack: Stack, http: aiohttp.ClientSession) -> dict[str
         await asyncio.sleep(p.idle_s)
         idle = await w.end()
         workers = [
-            asyncio.create_task(_worker(http, stack.router_urls, p, load, i))
+            asyncio.create_task(worker(http, stack.router_urls, p, load, i))
             for i in range(p.concurrency)
         ]
         await asyncio.sleep(2.0)  # warm-up: connections, views, scripts loaded
@@ -536,7 +536,7 @@ async def _run(p: Params, stack: Stack, http: aiohttp.ClientSession) -> dict[str
         t_roll, n_roll = time.monotonic(), len(load.rollouts)
         updates = []
         for n in range(1, p.updates + 1):
-            rec = await _push(http, stack, n, p)
+            rec = await push(http, stack, n, p)
             markers[int(rec["generation"])] = marker_token(n % MARKERS)
             updates.append(_update_row(rec, samples, p))
             await asyncio.sleep(0.5)
