@@ -198,6 +198,7 @@ details { margin-top: 1em; } summary { cursor: pointer; font-weight: 600; }
 <p class="legend" id="legend"></p>
 <h2>Generation per replica over time</h2>
 <canvas id="timeline" width="980" height="260"></canvas>
+<p class="legend" id="timeline-legend"></p>
 <h2>Rollouts/s and admitting capacity</h2>
 <canvas id="rates" width="980" height="180"></canvas>
 <p class="legend"><span><i style="background:#0969da"></i>rollouts/s (left axis)</span>
@@ -326,6 +327,13 @@ function drawTimeline() {
   for (const [a, , u] of windows(t0, t1)) ctx.fillText("g" + u.generation, x(a) + 2, 10);
   axisTime(ctx, x, t0, t1, cv.height - 4);
   cv.dataset.samples = hist.length;
+  const gens = [...new Set(hist.flatMap((s) => s.reps.map((r) => r[1])))]
+    .filter((g) => g !== null).sort((a, b) => a - b).slice(-8);
+  const items = gens.map((g) => ["generation " + g + " (READY)", genColor(g)])
+    .concat([["draining", STATE.DRAINING], ["updating", STATE.UPDATING],
+      ["tainted", STATE.TAINTED], ["recovering", STATE.RECOVERING]]);
+  $("timeline-legend").innerHTML = items.map(([s, c]) =>
+    '<span><i style="background:' + c + '"></i>' + esc(s) + "</span>").join("");
 }
 function drawRates() {
   const cv = $("rates"), ctx = cv.getContext("2d"), W = cv.width, L = 40, R = 36, B = 16;
