@@ -336,11 +336,13 @@ async def worker(
 # ------------------------------------------------------------------------------ measuring
 
 
-async def _redis_counters(r: aioredis.Redis) -> tuple[float, dict[str, int], int]:
-    """(Redis CPU seconds, calls per command, total commands processed)."""
+async def _redis_counters(r: aioredis.Redis) -> tuple[float, dict[str, tuple[int, int]], int]:
+    """(Redis CPU seconds, (calls, microseconds) per command, total commands processed)."""
     cpu = await r.info("cpu")
     stats = await r.info("commandstats")
-    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    calls = {
+        k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()
+    }
     total = (await r.info("stats"))["total_commands_processed"]
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), calls, int(total)
 
@@ -409,7 +411,11 @@ class _Window:
         cpu0, calls0, total0 = self.redis
         wall = time.monotonic() - self.t
         procs = {k: v - self.procs[k] for k, v in self._procs().items()}
-        calls = {k: v - calls0.get(k, 0) for k, v in calls1.items() if v - calls0.get(k, 0)}
+        calls = {
+            k: (c - calls0.get(k, (0, 0))[0], u - calls0.get(k, (0, 0))[1])
+            for k, (c, u) in calls1.items()
+            if c - calls0.get(k, (0, 0))[0]
+        }
         return {
             "wall_s": wall,
             "rollouts": len(self.load.rollouts) - self.n,
@@ -618,6 +624,12 @@ def _report(
         },
         "redis_script_commands_per_rollout": _per(sum(scripted.values()), monitored),
         "redis_executed_per_rollout_marginal": _per(steady["redis_commands"] - bg_cmds, n),
+        # INFO commandstats over the steady window: calls and microseconds inside each command
+        # (script calls include the commands they run; networking and parsing are not in usec)
+        "redis_commandstats_per_rollout": {
+            k: {"calls": _per(c, n), "usec": _per(u, n)}
+            for k, (c, u) in sorted(steady["redis_calls"].items(), key=lambda x: -x[1][1])[:10]
+        },
         "redis_idle_commands_per_s": round(idle["redis_commands"] / idle["wall_s"], 1),
         "added_latency_ms": {"p50": _pct(router_ms, 50), "p99": _pct(router_ms, 99)},
         "roll_s": [u["roll_s"] for u in updates],
