@@ -91,6 +91,7 @@ class Params:
     max_staleness: int = 1
     memory_sessions: int = 256
     lease_s: float = 10.0
+    health_interval_s: float = 2.0
     update_timeout_s: float = 600.0
 
 
@@ -207,7 +208,7 @@ async def start_stack(p: Params, work: Path, http: aiohttp.ClientSession) -> Sta
                 "min_serving": max(0, p.replicas - p.k),
                 "max_staleness": p.max_staleness,
                 "drain_timeout_s": 30.0,
-                "health_interval_s": 2.0,
+                "health_interval_s": p.health_interval_s,
                 "health_failures": 3,
             },
             "redis": {"url": redis.url, "namespace": NAMESPACE},
@@ -540,6 +541,7 @@ async def _run(p: Params, stack: Stack, http: aiohttp.ClientSession) -> dict[str
         stop_sampler = asyncio.Event()
         sampler = asyncio.create_task(_sampler(store, p, samples, stop_sampler))
         t_roll, n_roll = time.monotonic(), len(load.rollouts)
+        w_roll = await _Window(r, stack, load).begin()
         updates = []
         for n in range(1, p.updates + 1):
             rec = await push(http, stack, n, p)
@@ -547,6 +549,7 @@ async def _run(p: Params, stack: Stack, http: aiohttp.ClientSession) -> dict[str
             updates.append(_update_row(rec, samples, p))
             await asyncio.sleep(0.5)
         roll_wall, roll_rollouts = time.monotonic() - t_roll, len(load.rollouts) - n_roll
+        roll = await w_roll.end()
         stop_sampler.set()
         await sampler
         load.stop.set()
@@ -563,8 +566,8 @@ async def _run(p: Params, stack: Stack, http: aiohttp.ClientSession) -> dict[str
         await asyncio.gather(*workers, return_exceptions=True)
         await store.close()
         await r.aclose()
-    return _report(p, idle, steady, sent, scripted, monitored, updates, samples, load, markers,
-                   memory, leased, recs, latest[0].number if latest else None,
+    return _report(p, idle, steady, roll, sent, scripted, monitored, updates, samples, load,
+                   markers, memory, leased, recs, latest[0].number if latest else None,
                    roll_wall, roll_rollouts)  # fmt: skip
 
 
@@ -572,6 +575,7 @@ def _report(
     p: Params,
     idle: dict[str, Any],
     steady: dict[str, Any],
+    roll: dict[str, Any],
     sent: Counter[str],
     scripted: Counter[str],
     monitored: int,
@@ -647,7 +651,16 @@ def _report(
         "redis_bytes_per_active_binding": memory["bytes_per_active_binding"],
         "memory": memory,
         "failures": failures,
+        "cores_idle": idle["cores"],
         "cores_steady": steady["cores"],
+        "cores_roll": roll["cores"],
+        # the updater's CPU: per replica updated (rolls; its health loop included) and per
+        # second with no update running (steady window; its health loop polls every replica
+        # every health_interval_s)
+        "updater_cpu_ms_per_replica_update": _per(
+            roll["cpu_s"]["updater"], sum(u["replicas_updated"] for u in updates), 1e3
+        ),
+        "updater_cpu_ms_per_s_no_update": _per(steady["cpu_s"]["updater"], 1, 1e3 / wall),
         "per_update": updates,
         "params": {k: v for k, v in p.__dict__.items()},
     }
