@@ -35,8 +35,9 @@ from typing import Any
 from bench._meta import write
 from testkit.scenarios.scale import Params, scenario
 
+#: the goal's configuration and N=128 first (a run cut short still has them), then every N, R, k
 DEFAULT = (
-    "8:1:1,8:2:N/4,32:1:1,32:2:N/8,32:4:N/4,64:1:N/8,64:4:N/8,64:4:N/4,128:2:N/8,128:4:N/8,"
+    "64:4:N/8,128:4:N/8,8:1:1,8:2:N/4,32:1:1,32:2:N/8,32:4:N/4,64:1:N/8,64:4:N/4,128:2:N/8,"
     "128:4:N/4"
 )
 GOAL = (64, 4, "N/8")
