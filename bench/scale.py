@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -92,7 +94,14 @@ def summary(rows: list[dict[str, Any]], matrix: list[tuple[int, int, str]]) -> d
     return out
 
 
+def _logs(tmp: str) -> dict[str, str]:
+    """The tails of a failed configuration's process logs."""
+    return {f.name: f.read_text(errors="replace")[-1500:] for f in sorted(Path(tmp).glob("*.log"))}
+
+
 def main(argv: list[str] | None = None) -> None:
+    # SIGTERM unwinds like Ctrl-C, so every configuration's processes are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
     ap.add_argument("--matrix", default=DEFAULT, help=f"N:R:k,... (default {DEFAULT})")
     ap.add_argument("--updates", type=int, default=5)
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"config": config, **asyncio.run(scenario(p, Path(tmp)))}
             except Exception as e:  # reported in the result; the matrix goes on
                 traceback.print_exc()
-                row = {"config": config, "error": f"{type(e).__name__}: {e}"}
+                row = {"config": config, "error": f"{type(e).__name__}: {e}", "logs": _logs(tmp)}
         rows.append(row)
         keys = ("rollouts_per_s", "roll_over_window_ratio_max", "capacity_ratio_vs_ideal")
         brief = {x: row.get(x) for x in (*keys, "cross_generation", "leaked_bindings", "error")}

@@ -463,6 +463,10 @@ def _update_row(
         for rep in rec["replicas"].values()
         if rep.get("outcome") == "ready"
     ]
+    phases: dict[str, list[float]] = {}
+    for rep in rec["replicas"].values():
+        for name, secs in rep.get("phases", {}).items():
+            phases.setdefault(name, []).append(secs)
     start, end = rec.get("started_ms"), rec.get("rolled_ms")
     during = [f for t, f in samples if start and end and start <= t <= end]
     roll_s = (end - start) / 1000 if start and end else None
@@ -476,6 +480,7 @@ def _update_row(
         "replica_window_s_median": window,
         "replica_window_s_max": max(windows, default=None),
         "roll_over_window_ratio": roll_s / window if roll_s and window else None,
+        "phases_s_median": {k: round(statistics.median(v), 4) for k, v in phases.items()},
         "admitting_min": min(during, default=None),
         "admitting_mean": statistics.fmean(during) if during else None,
         "samples": len(during),
