@@ -236,7 +236,9 @@ const STATE = {DRAINING: "#f08c00", QUIESCED: "#0969da", UPDATING: "#0969da",
 const hist = [];  // {t, latest, cap, rate, reps: [[state, generation]]}
 let last = null, updates = [];
 const $ = (id) => document.getElementById(id);
-function genColor(g) { return "hsl(" + ((g * 67) % 360) + ",55%,45%)"; }
+// generations cycle through colours that no state uses (red, blue, orange, purple)
+const GENS = ["#2da44e", "#1b7c83", "#bf8700", "#116329", "#8c6d1f", "#7d8b2a"];
+function genColor(g) { return GENS[((g % GENS.length) + GENS.length) % GENS.length]; }
 function cellColor(r, latest) {
   if (r.state !== "READY") return STATE[r.state] || "#8c959f";
   if (latest === null || r.generation === null) return "#8c959f";
