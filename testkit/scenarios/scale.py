@@ -26,8 +26,10 @@ routers, closed loop, ``concurrency`` workers):
    sessions) while ``updates`` generations are pushed through the updater's HTTP API one after
    another; admitting capacity (READY replicas within ``max_staleness`` of the published
    generation, over N) is sampled every ``sample_s``.
-5. **memory**: load stopped, ``memory_sessions`` sessions opened: Redis ``used_memory`` before
-   and after over the number opened is the memory per active binding.
+5. **memory**: load stopped, ``memory_sessions`` sessions opened (at most half the pool's
+   capacity): Redis ``used_memory_dataset`` (``used_memory`` less the overhead: client buffers,
+   the AOF buffer, which the routers' pipelined reads make jitter by hundreds of KB) before and
+   after, over the number opened, is the memory per active binding.
 6. **audit**: every rollout's tokens against its bound generation's marker
    (``cross_generation``), Redis's leases and active sets once the load stopped
    (``leaked_bindings``), and every replica's generation.
@@ -89,7 +91,7 @@ class Params:
     monitor_s: float = 2.0
     sample_s: float = 0.1
     max_staleness: int = 1
-    memory_sessions: int = 256
+    memory_sessions: int = 1000
     lease_s: float = 10.0
     health_interval_s: float = 2.0
     update_timeout_s: float = 600.0
@@ -492,7 +494,7 @@ async def _memory_per_binding(
     http: aiohttp.ClientSession, r: aioredis.Redis, url: str, n: int
 ) -> dict[str, Any]:
     """Open ``n`` sessions with no load running: Redis memory added per active binding."""
-    before = int((await r.info("memory"))["used_memory"])
+    before = int((await r.info("memory"))["used_memory_dataset"])
     sem = asyncio.Semaphore(16)
 
     async def open_one() -> str | None:
@@ -500,7 +502,7 @@ async def _memory_per_binding(
             return str((await resp.json())["rollout_id"]) if resp.status == 201 else None
 
     ids = [x for x in await asyncio.gather(*(open_one() for _ in range(n))) if x]
-    after = int((await r.info("memory"))["used_memory"])
+    after = int((await r.info("memory"))["used_memory_dataset"])
 
     async def close(rid: str) -> None:
         async with sem, http.post(f"{url}/v1/rollouts/{rid}/close") as resp:
@@ -509,8 +511,8 @@ async def _memory_per_binding(
     await asyncio.gather(*(close(x) for x in ids))
     return {
         "sessions_opened": len(ids),
-        "used_memory_before": before,
-        "used_memory_after": after,
+        "used_memory_dataset_before": before,
+        "used_memory_dataset_after": after,
         "bytes_per_active_binding": round((after - before) / len(ids)) if ids else None,
     }
 
@@ -559,7 +561,8 @@ async def _run(p: Params, stack: Stack, http: aiohttp.ClientSession) -> dict[str
         await sampler
         load.stop.set()
         await asyncio.gather(*workers)
-        memory = await _memory_per_binding(http, r, stack.router_urls[0], p.memory_sessions)
+        sessions = min(p.memory_sessions, p.replicas * p.capacity // 2)
+        memory = await _memory_per_binding(http, r, stack.router_urls[0], sessions)
         await asyncio.sleep(1.0)
         leased = await store.leased_rollouts()
         recs = await store.replicas()
