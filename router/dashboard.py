@@ -237,7 +237,7 @@ const hist = [];  // {t, latest, cap, rate, reps: [[state, generation]]}
 let last = null, updates = [];
 const $ = (id) => document.getElementById(id);
 // generations cycle through colours that no state uses (red, blue, orange, purple)
-const GENS = ["#2da44e", "#1b7c83", "#bf8700", "#116329", "#8c6d1f", "#7d8b2a"];
+const GENS = ["#2da44e", "#1b7c83", "#8c6d1f", "#116329", "#7d8b2a", "#bf3989"];
 function genColor(g) { return GENS[((g % GENS.length) + GENS.length) % GENS.length]; }
 function cellColor(r, latest) {
   if (r.state !== "READY") return STATE[r.state] || "#8c959f";
