@@ -21,7 +21,8 @@ Modules (read in this order):
 * :mod:`router.bindings` — releasing (shielded, retried) and lease renewal
 * :mod:`router.provenance` — the ``rollout`` object, ``X-Rollout-*`` headers, span check
 * :mod:`router.upstream` — the pooled client session and the replicas' model ids
-* :mod:`router.status` — ``/v1/models``, admin taint; :mod:`router.dashboard` — ``/dashboard``
+* :mod:`router.status` — ``/v1/models``, admin taint
+* :mod:`router.dashboard` — ``/dashboard`` (grid, timelines, rates) and ``/dashboard/data``
 * :mod:`router.failover` — bindings verified in every new Redis failover epoch
 * :mod:`router.workers` — ``--workers N``: SO_REUSEPORT worker processes
 * :mod:`router.auth` (the router's auth policy, rate limit), :mod:`router.errors` (502/503/504),

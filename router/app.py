@@ -51,7 +51,7 @@ from pool.web import (
     openapi_handler,
     pool_handler,
 )
-from router import openapi, proxy, sessions, status
+from router import dashboard, openapi, proxy, sessions, status
 from router.admission import Admitter, ReplicaView
 from router.auth import rate_limit_middleware, router_auth
 from router.bindings import Bindings
@@ -208,7 +208,8 @@ def create_app(
     me = {"worker": {"index": index, "of": count, "pid": os.getpid()}}
     app.router.add_get("/healthz", healthz_handler(lambda _: (True, me)), allow_head=False)
     app.router.add_get("/metrics", metrics_handler(), allow_head=False)
-    app.router.add_get("/dashboard", status.dashboard, allow_head=False)
+    app.router.add_get("/dashboard", dashboard.dashboard, allow_head=False)
+    app.router.add_get("/dashboard/data", dashboard.dashboard_data, allow_head=False)
     app.router.add_post("/v1/admin/replicas/{replica_id}/taint", status.taint)
     document = functools.partial(
         openapi.document,

@@ -2,9 +2,9 @@
 
 Three classes of routes (the rules are :mod:`pool.web.auth`'s, shared with the updater):
 
-* **public** — ``GET /healthz``, ``GET /metrics``, ``GET /dashboard`` and ``GET /openapi.json``
-  (probes, scrapes, a read-only status page and the API document; none reveals a secret, a
-  prompt or a replica URL).
+* **public** — ``GET /healthz``, ``GET /metrics``, ``GET /dashboard`` (and the JSON it polls,
+  ``GET /dashboard/data``) and ``GET /openapi.json`` (probes, scrapes, a read-only status page
+  and the API document; none reveals a secret, a prompt or a replica URL).
 * **admin** — every path under ``/v1/admin/``: ``Authorization: Bearer <admin_token>``.
 * **client** — everything else. When ``api_keys`` is non-empty, ``Authorization: Bearer <key>``
   must match one of them (or the admin token). With no keys configured, anyone may call.
@@ -22,7 +22,7 @@ from aiohttp.typedefs import Handler, Middleware
 from pool.web import CLIENT, AuthPolicy, RateLimited, auth_middleware
 from router.settings import RouterSettings
 
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/dashboard", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/dashboard", "/dashboard/data", "/openapi.json"})
 ADMIN_PREFIX = "/v1/admin/"
 
 

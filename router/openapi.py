@@ -67,6 +67,61 @@ Security = list[dict[str, list[str]]]
 ID = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
+_INT_OR_NULL = {"type": ["integer", "null"]}
+_NUM_OR_NULL = {"type": ["number", "null"]}
+DASHBOARD_DATA = {
+    "type": "object",
+    "required": ["now_ms", "latest", "max_staleness", "replicas", "admitted_total", "updates"],
+    "properties": {
+        "now_ms": {"type": "integer"},
+        "latest": {
+            "type": ["object", "null"],
+            "properties": {"generation": {"type": "integer"}, "label": {"type": "string"}},
+        },
+        "max_staleness": {"type": "integer"},
+        "replicas": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "state", "generation", "active", "capacity", "reason"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "state": {"type": "string"},
+                    "generation": _INT_OR_NULL,
+                    "active": {"type": "integer"},
+                    "capacity": {"type": "integer"},
+                    "reason": {"type": "string"},
+                },
+            },
+        },
+        "admitted_total": {"type": "integer"},
+        "admissions": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "updates": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "generation", "state"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "generation": {"type": "integer"},
+                    "label": {"type": "string"},
+                    "state": {"type": "string"},
+                    "created_ms": {"type": "integer"},
+                    "started_ms": _INT_OR_NULL,
+                    "published_ms": _INT_OR_NULL,
+                    "rolled_ms": _INT_OR_NULL,
+                    "finished_ms": _INT_OR_NULL,
+                    "staleness_window_s": _NUM_OR_NULL,
+                    "replicas_updated": {"type": "integer"},
+                    "window_s_median": _NUM_OR_NULL,
+                    "window_s_max": _NUM_OR_NULL,
+                },
+            },
+        },
+    },
+}
+
+
 def _errors(*codes: int) -> dict[str, Any]:
     return error_responses(_TEXT, *codes)
 
@@ -222,6 +277,16 @@ def document(*, client_keys: bool = False, model: str = "rolloutpool") -> dict[s
                 },
             }
         },
+        "/dashboard/data": {
+            "get": {
+                "operationId": "dashboard_data",
+                "description": "the pool now, as the dashboard's script polls it (public)",
+                "responses": {
+                    "200": json_content(ref("DashboardData"), "replicas, updates, admissions"),
+                    **_errors(503),
+                },
+            }
+        },
         "/v1/admin/replicas/{replica_id}/taint": {
             "post": {
                 "operationId": "taint",
@@ -253,6 +318,7 @@ def document(*, client_keys: bool = False, model: str = "rolloutpool") -> dict[s
         schemas={
             "Rollout": ROLLOUT,
             "ReplicaError": REPLICA_ERROR,
+            "DashboardData": DASHBOARD_DATA,
             **model_schemas(Constraints, TaintRequest),
         },
     )

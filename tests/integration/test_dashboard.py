@@ -1,14 +1,18 @@
 """The router's /dashboard rendered by headless Chromium (Debian's ``chromium``): the DOM must
 show the replicas with state, generation and active rollouts, the recent updates with phase
-timings, and per-generation counts; a screenshot is saved next to the test's files."""
+timings, and per-generation counts; at 64 stand-in replicas, the grid and the live charts; a
+screenshot is saved next to the test's files."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from pool.records import UpdateRecord, UpdateState
@@ -18,6 +22,8 @@ from pool.types import Generation, ReplicaState
 from pool.web import start_server
 from router.app import create_app
 from router.settings import RouterSettings
+from testkit.chromium import Browser
+from testkit.scenarios.scale import Load, Params, push, start_stack, worker
 
 pytestmark = pytest.mark.integration
 S = ReplicaState
@@ -102,3 +108,50 @@ async def test_dashboard_in_headless_chromium(
     assert "<tr><td>3</td><td>2</td></tr>" in dom  # two rollouts admitted on generation 3
     assert shot.exists() and shot.stat().st_size > 5000
     print(f"dashboard screenshot: {shot}")
+
+
+async def test_dashboard_at_64_standin_replicas(tmp_path: Path) -> None:
+    """The dashboard of a 64-replica pool (stand-ins, real Redis, updater and router
+    processes), open in headless Chromium while two updates roll in waves of 8 under load:
+    64 grid cells all READY on the last generation at the end, the timeline and the rates
+    chart drawn from the page's own polls, both updates in the summary with their roll times.
+    A screenshot is saved (``ROLLOUTPOOL_DASHBOARD_SHOT`` names a copy to keep)."""
+    p = Params(replicas=64, routers=1, k=8, concurrency=6)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        stack = await start_stack(p, tmp_path / "pool", http)
+        load = Load()
+        workers = [
+            asyncio.create_task(worker(http, stack.router_urls, p, load, i))
+            for i in range(p.concurrency)
+        ]
+        try:
+            async with Browser(tmp_path / "profile") as b:
+                await b.open(stack.router_urls[0] + "/dashboard", width=1100, height=1300)
+                await asyncio.sleep(3.0)  # some history before the first update
+                gens = [(await push(http, stack, n, p))["generation"] for n in (1, 2)]
+                await asyncio.sleep(3.0)  # the page polls once a second: it saw the end
+                dom = await b.evaluate(
+                    """JSON.stringify({
+                      cells: document.querySelectorAll('#grid .cell').length,
+                      states: [...document.querySelectorAll('#grid .cell')]
+                        .map((c) => c.dataset.state + ':' + c.textContent),
+                      timeline: Number(document.getElementById('timeline').dataset.samples),
+                      rates: Number(document.getElementById('rates').dataset.samples),
+                      updates: document.getElementById('update-summary').rows.length - 1,
+                      text: document.body.innerText})"""
+                )
+                shot = await b.screenshot()
+        finally:
+            load.stop.set()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.to_thread(stack.stop)
+    d = json.loads(dom)
+    assert d["cells"] == 64
+    assert d["states"] == [f"READY:{gens[-1]}"] * 64
+    assert d["timeline"] >= 5 and d["rates"] >= 5  # drawn from polls, not just the first paint
+    assert d["updates"] >= 2 and f"published generation: {gens[-1]}" in d["text"]
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
+    keep = os.environ.get("ROLLOUTPOOL_DASHBOARD_SHOT")
+    for path in [tmp_path / "dashboard-64.png", *([Path(keep)] if keep else [])]:
+        await asyncio.to_thread(path.write_bytes, shot)
+        print(f"dashboard screenshot: {path} ({len(shot)} bytes)")

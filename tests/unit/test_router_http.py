@@ -4,6 +4,7 @@ control routes, body validation, health, metrics, rate limiting, and that no sec
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -278,7 +279,28 @@ async def test_dashboard_is_public_html(store_settings: StoreSettings, store: Re
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
         page = await r.text()
     assert "r&lt;0&gt;" in page and "TAINTED" in page and "&lt;script&gt;" in page
-    assert "<script>" not in page and "10.0.0.7" not in page
+    # the reason is escaped in the HTML and in the JSON embedded for the page's script
+    assert "<script>x" not in page and "x</script>" not in page and "10.0.0.7" not in page
+    assert "\\u003cscript\\u003ex" in page
+
+
+async def test_dashboard_data_is_public_json(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """``/dashboard/data`` (what the page polls): public, no replica URL, the pool-wide
+    admission count and the replicas in the documented shape."""
+    await publish_ready(store, [("r0", "http://10.0.0.7:8001"), ("r1", "http://10.0.0.8:8001")])
+    await store.admit("ro-1", "r0")
+    async with router_client(settings(), store_settings) as c:
+        r = await c.get("/dashboard/data")
+        assert r.status == 200
+        data = await r.json()
+    assert "10.0.0." not in json.dumps(data)
+    assert data["admitted_total"] == 1 and data["latest"]["generation"] == 0
+    assert [(x["id"], x["state"], x["active"]) for x in data["replicas"]] == [
+        ("r0", "READY", 1),
+        ("r1", "READY", 0),
+    ]
 
 
 async def test_metrics_exposition_has_no_secrets(
