@@ -53,7 +53,7 @@ from updater import plan
 from updater.api import UpdateRequest
 from updater.cycle import CycleError, CycleRunner, Probe, ReplicaHandle, UpdateTarget
 from updater.failover import EpochGate
-from updater.pending import PendingUpdate, PendingUpdates
+from updater.pending import PendingUpdate, PendingUpdates, RecordSaver
 from updater.providers import registry as providers
 from updater.providers.base import ReplicaProvider
 from updater.replicas import UNPLACED_URL, ManagedReplica, bring_up
@@ -117,6 +117,7 @@ class Updater:
             settings, store, self.runner, self.replicas, self.provider, metrics
         )
         self.pending = PendingUpdates()
+        self._savers: dict[str, RecordSaver] = {}  # by update id, while it rolls
         self._tasks: list[asyncio.Task[Any]] = []
         self.lost = asyncio.Event()
         self.ready = asyncio.Event()
@@ -382,8 +383,8 @@ class Updater:
                 self.pending.finish(update)
 
     async def _roll(self, rec: UpdateRecord, target: UpdateTarget) -> None:
-        """Roll ``target`` out over the pool (see :mod:`updater.plan`)."""
-        s = self.settings
+        """Roll ``target`` out over the pool (see :mod:`updater.plan`). The record is saved as
+        it progresses through a :class:`~updater.pending.RecordSaver`, and once at the end."""
         gen_rec = GenerationRecord(
             generation=target.generation,
             identity=target.identity,
@@ -394,6 +395,29 @@ class Updater:
         await self.store.declare_generation(gen_rec, self.lease.require())
         rec.state, rec.started_ms = UpdateState.RUNNING, _now_ms()
         await self._save(rec)
+        saver = self._savers[rec.id] = RecordSaver(rec, self._save)
+        try:
+            await self._roll_replicas(rec, target, saver)
+        finally:
+            del self._savers[rec.id]
+            await saver.close()
+        if rec.state is UpdateState.FAILED:
+            return
+        ok = rec.published_ms is not None and not rec.error
+        rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
+        rec.finished_ms = _now_ms()
+        self._count("succeeded" if ok else "failed")
+        if self.metrics is not None and rec.staleness_window_s is not None:
+            self.metrics.staleness_window.observe(rec.staleness_window_s)
+        await self._save(rec)
+
+    async def _roll_replicas(
+        self, rec: UpdateRecord, target: UpdateTarget, saver: RecordSaver
+    ) -> None:
+        """The rolling loop of :meth:`_roll`: batches by the plan until every replica is on
+        ``target`` (or none is left); a replica failing before the generation is published
+        fails the update here (``rec.state`` FAILED)."""
+        s = self.settings
         attempted: set[str] = set()
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
         published = False
@@ -443,22 +467,14 @@ class Updater:
                 del running[rid]
                 report = task.result()
                 rec.replicas[rid] = report
-                await self._save(rec)
+                saver.changed()
                 if report.outcome is not ReplicaOutcome.READY and not published:
                     for t in running.values():
                         await t
                     rec.error = f"{rid}: {report.outcome}: {report.reason}"
                     rec.state, rec.finished_ms = UpdateState.FAILED, _now_ms()
                     self._count("failed")
-                    await self._save(rec)
                     return
-        ok = published and not rec.error
-        rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
-        rec.finished_ms = _now_ms()
-        self._count("succeeded" if ok else "failed")
-        if self.metrics is not None and rec.staleness_window_s is not None:
-            self.metrics.staleness_window.observe(rec.staleness_window_s)
-        await self._save(rec)
 
     async def _save(self, rec: UpdateRecord) -> None:
         """Store an update record; while Redis is away (a failover) the live record in memory
@@ -490,7 +506,9 @@ class Updater:
     ) -> ReplicaReport:
         async def progress(report: ReplicaReport) -> None:
             rec.replicas[m.id] = report
-            await self.store.save_update(rec)
+            saver = self._savers.get(rec.id)
+            if saver is not None:  # None once the update ended (a cycle it left still reports)
+                saver.changed()
 
         async with m.lock:
             try:
