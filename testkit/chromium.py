@@ -28,7 +28,8 @@ import aiohttp
 
 from testkit.procs import terminate
 
-FLAGS = [
+#: Flags of a headless Chromium run in tests (no sandbox: root in a container).
+HEADLESS = [
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
@@ -37,8 +38,8 @@ FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
-    "--remote-debugging-port=0",
 ]
+FLAGS = [*HEADLESS, "--remote-debugging-port=0"]
 
 
 def _launch(argv: list[str]) -> subprocess.Popen[bytes]:

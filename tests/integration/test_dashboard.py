@@ -22,28 +22,18 @@ from pool.types import Generation, ReplicaState
 from pool.web import start_server
 from router.app import create_app
 from router.settings import RouterSettings
-from testkit.chromium import Browser
+from testkit.chromium import HEADLESS, Browser
 from testkit.scenarios.scale import Load, Params, push, start_stack, worker
 
 pytestmark = pytest.mark.integration
 S = ReplicaState
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 def chromium(url: str, profile: Path, *extra: str) -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     assert exe, "chromium is not installed (scripts/test.sh installs Debian's chromium)"
     out = subprocess.run(
-        [exe, *FLAGS, f"--user-data-dir={profile}", *extra, url],
+        [exe, *HEADLESS, f"--user-data-dir={profile}", *extra, url],
         capture_output=True,
         text=True,
         timeout=120,
