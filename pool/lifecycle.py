@@ -105,14 +105,23 @@ def _refuse(lc: Lifecycle, event: Event, why: str) -> PostconditionFailed:
     )
 
 
+def _probe(v: ValidationEvidence) -> str:
+    """``probe_matches=...``, with both token lists (their first 8) when they differ."""
+    if v.probe_expected == v.probe_actual:
+        return "probe_matches=True"
+    return (
+        f"probe_matches=False (expected {list(v.probe_expected[:8])}, "
+        f"got {list(v.probe_actual[:8])})"
+    )
+
+
 def _bootstrap(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, BootstrapEvidence)
     if not ev.proves_serving:
         v = ev.validation
         why = "no successful completion" if not ev.completion_ok else "validation failed"
         if v is not None:
-            same = v.probe_expected == v.probe_actual
-            why += f": label_ok={v.label_ok} probe_matches={same} checksums={v.checksums}"
+            why += f": label_ok={v.label_ok} {_probe(v)} checksums={v.checksums}"
         raise _refuse(lc, ev, why)
     if lc.state is S.RECOVERING:  # I6: a fresh process, the weights loaded from scratch
         if ev.process is None or not ev.process.replaces(lc.process):
@@ -181,11 +190,10 @@ def _validated(lc: Lifecycle, ev: Event) -> Lifecycle:
     if ev.generation != lc.target:
         raise _refuse(lc, ev, "validated a generation other than the target")
     if not ev.proves_valid:
-        same = ev.probe_expected == ev.probe_actual
         raise _refuse(
             lc,
             ev,
-            f"label_ok={ev.label_ok} probe_matches={same} checksums={ev.checksums} {ev.detail}",
+            f"label_ok={ev.label_ok} {_probe(ev)} checksums={ev.checksums} {ev.detail}",
         )
     return lc
 

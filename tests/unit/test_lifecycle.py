@@ -253,3 +253,11 @@ def test_process_identity_round_trips_through_its_stored_form() -> None:
     assert ProcessIdentity.decode("") is None and ProcessIdentity.decode(None) is None
     # an engine-only identity is replaced by any other engine process
     assert ProcessIdentity("e1", "a1").replaces(ProcessIdentity("e0"))
+
+
+def test_a_failed_probe_names_what_was_expected_and_what_came_back() -> None:
+    """A taint reason that said only ``probe_matches=False`` could not tell stale weights from
+    an aborted or empty probe (a flaky integration run could not be diagnosed from it)."""
+    lc = walk(S.VALIDATING)
+    with pytest.raises(PostconditionFailed, match=r"expected \[5, 6, 7\], got \[5, 9\]"):
+        advance(lc, valid(actual=(5, 9)))
