@@ -28,4 +28,12 @@ fi
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
 # two workers: the unit suite stays under a minute on 2 cores
 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120 -n 2
-.venv/bin/python -m pytest tests/integration -m integration -q -p no:cacheprovider --timeout 1800
+# One pytest process per integration module: in one shared process, a module late in the run
+# (the router's disconnect/deadline tests, the reliability scenario) failed after the earlier
+# ones while passing alone or together (an in-process leftover of an earlier module, not yet
+# found, keeps polling a dead replica in the shared event loop).
+rc=0
+for module in tests/integration/test_*.py; do
+  .venv/bin/python -m pytest "$module" -m integration -q -p no:cacheprovider --timeout 1800 || rc=1
+done
+exit $rc
