@@ -30,8 +30,8 @@ fi
 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120 -n 2
 # One pytest process per integration module: in one shared process, a module late in the run
 # (the router's disconnect/deadline tests, the reliability scenario) failed after the earlier
-# ones while passing alone or together (an in-process leftover of an earlier module, not yet
-# found, keeps polling a dead replica in the shared event loop).
+# ones while passing alone and together; the state they share with earlier modules in one
+# process (session event loop, fixtures) is the suspect, not yet found.
 rc=0
 for module in tests/integration/test_*.py; do
   .venv/bin/python -m pytest "$module" -m integration -q -p no:cacheprovider --timeout 1800 || rc=1
