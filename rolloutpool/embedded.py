@@ -1,6 +1,6 @@
-"""The embedded pool: a ``redis-server`` (local, or yours by URL), N vLLM CPU replicas, the
-updater and the router, all in (or started by) this process. Used by ``rolloutpool up``,
-``demo`` and the Ray job of ``deploy/ray``.
+"""The embedded pool: a ``redis-server`` (local, or yours by URL), N vLLM replicas (CPU by
+default), the updater and the router, all in (or started by) this process. Used by
+``rolloutpool up``, ``demo`` and the Ray job of ``deploy/ray``.
 
 :class:`PoolConfig` is what ``rolloutpool up --config pool.yaml`` reads; every field has a
 default, so an empty file (or none) gives the embedded default: Redis on a free port with AOF in
@@ -8,6 +8,11 @@ default, so an empty file (or none) gives the embedded default: Redis on a free 
 and the updater on 8300, both on 127.0.0.1. With ``provider: ray`` the replicas are Ray actors
 on the cluster at ``ray.address`` (or the Ray job this runs in), placed by ``ray.placement``;
 each node's ``ROLLOUTPOOL_CPU_BIND`` (if set) picks the cores of a CPU replica placed there.
+``replica`` holds further :class:`~pool.launcher.ReplicaSpec` fields for every replica, e.g.
+GPU replicas sharing one GPU::
+
+    replica: {flavor: gpu, cuda_visible_devices: "0", enable_scale_out: false,
+              extra_args: [--gpu-memory-utilization, "0.2"]}
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from updater.settings import ReplicaConfig, UpdaterSettings
 
 Progress = Callable[[str], None]
 
+#: ReplicaSpec fields the pool sets per replica (not overridable through ``PoolConfig.replica``).
+_PER_REPLICA = frozenset({"model", "name", "port", "work_dir"})
+
 
 class PoolConfig(BaseModel):
     """``rolloutpool up`` configuration (YAML). ``redis_url`` None and no ``redis.sentinels`` =
@@ -62,6 +70,21 @@ class PoolConfig(BaseModel):
     router: dict[str, Any] = Field(default_factory=dict)  # extra RouterSettings fields
     updater: dict[str, Any] = Field(default_factory=dict)  # extra UpdaterSettings fields
     redis: dict[str, Any] = Field(default_factory=dict)  # extra StoreSettings fields
+    #: Extra :class:`~pool.launcher.ReplicaSpec` fields for every replica (they win over the
+    #: defaults above: ``cpu_bind`` per replica, ``enable_scale_out``); not the ones the pool
+    #: sets per replica (``model``, ``name``, ``port``, ``work_dir``).
+    replica: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("replica")
+    @classmethod
+    def _replica_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(v) - set(ReplicaSpec.model_fields)
+        if unknown:
+            raise ValueError(f"replica: unknown ReplicaSpec fields {sorted(unknown)}")
+        owned = set(v) & _PER_REPLICA
+        if owned:
+            raise ValueError(f"replica: {sorted(owned)} are set by the pool per replica")
+        return v
 
     @property
     def embedded_redis(self) -> bool:
@@ -79,6 +102,31 @@ class PoolConfig(BaseModel):
         if url is not None:
             extra["url"] = url
         return StoreSettings(namespace=self.namespace, **extra)
+
+    def replica_configs(self, model: Path) -> list[ReplicaConfig]:
+        """The updater's replicas of model ``model``: ``replica-<i>``, CPU ones pinned to core
+        ``i % 2``, with the ``replica`` fields on top."""
+        return [
+            ReplicaConfig(
+                id=f"replica-{i}",
+                model=model,
+                launch=ReplicaSpec(
+                    **{
+                        "served_model_name": "rolloutpool",
+                        "cpu_bind": str(i % 2),
+                        "enable_scale_out": self.enable_scale_out,
+                        **self.replica,
+                        "model": model,
+                        "name": f"replica-{i}",
+                        # a Ray actor makes its own work dir on the node it lands on
+                        "work_dir": self.workdir / f"replica-{i}"
+                        if self.provider == "local"
+                        else None,
+                    }
+                ),
+            )
+            for i in range(self.replicas)
+        ]
 
     @field_validator("provider")
     @classmethod
@@ -129,22 +177,7 @@ class EmbeddedPool:
         else:
             self.model = c.model.resolve()
 
-        replicas = [
-            ReplicaConfig(
-                id=f"replica-{i}",
-                model=self.model,
-                launch=ReplicaSpec(
-                    model=self.model,
-                    name=f"replica-{i}",
-                    served_model_name="rolloutpool",
-                    cpu_bind=str(i % 2),
-                    enable_scale_out=c.enable_scale_out,
-                    # a Ray actor makes its own work dir on the node it lands on
-                    work_dir=c.workdir / f"replica-{i}" if c.provider == "local" else None,
-                ),
-            )
-            for i in range(c.replicas)
-        ]
+        replicas = c.replica_configs(self.model)
         usettings = UpdaterSettings(
             host=c.host,
             port=c.updater_port,
@@ -155,9 +188,10 @@ class EmbeddedPool:
             **c.updater,
         )
         where = "as Ray actors" if c.provider == "ray" else "locally"
+        flavor = replicas[0].launch.flavor.upper() if replicas[0].launch else "CPU"
         self.say(
-            f"starting {c.replicas} vLLM CPU replicas {where} and bootstrapping generation g0 "
-            "(about a minute on 2 cores)"
+            f"starting {c.replicas} vLLM {flavor} replicas {where} and bootstrapping generation "
+            "g0 (about a minute on 2 cores)"
         )
         t0 = time.monotonic()
         # the updater app starts the updater (and its replicas) before it listens

@@ -29,7 +29,10 @@ its baseline compares samples of one policy. Groups go out concurrently (``concu
 router spreads them over the replicas. vLLM's per-token ``weight_versions`` spans on that
 endpoint are checked twice: by the router (I7: a contradiction is refused with 502) and here
 (every choice must carry exactly one span naming the bound label; anything else raises
-:class:`ProvenanceError`: it would be a pool bug). An answer the pool refuses — 503 (no admissible
+:class:`ProvenanceError`: it would be a pool bug). Replicas older than vLLM 0.32 (e.g. 0.26 on
+GPUs) report no spans: a choice without the field is unchecked (:attr:`Sample.spans` None) and
+the router's binding alone says which generation produced it; such answers are accepted only
+with ``require_spans=False``. An answer the pool refuses — 503 (no admissible
 replica, binding ended by a drain deadline), 502, 504 or a transport error — delivered nothing,
 so it is retried (new rollout) until ``retry_s``; it is counted in :attr:`PoolLink.refused`.
 Other statuses raise :class:`PoolRolloutError`. Sampling settings are the trainer's
@@ -141,7 +144,9 @@ class Sample:
     replica: str
     identity_digest: str
     policy_step: int | None  # trainer step whose weights ``generation`` carries
-    spans: tuple[str, ...]  # vLLM's weight_versions labels for this choice (== (label,))
+    #: vLLM's weight_versions labels for this choice (== (label,)); None: the replica's vLLM
+    #: reports none (before 0.32)
+    spans: tuple[str, ...] | None
     completion_tokens: int
 
 
@@ -165,7 +170,7 @@ class _Group:
     info: dict[str, Any]
     completions: list[list[int]]
     logprobs: list[list[float | None]]
-    spans: list[tuple[str, ...]]
+    spans: list[tuple[str, ...] | None]
 
 
 def _runs(prompts: Sequence[Any]) -> list[tuple[int, int]]:
@@ -218,6 +223,7 @@ class PoolLink:
         update_timeout_s: float = 600.0,
         probe: dict[str, Any] | None = None,
         run: str | None = None,
+        require_spans: bool = True,
     ) -> None:
         if push_every < 1:
             raise ValueError(f"push_every must be >= 1, got {push_every}")
@@ -228,6 +234,7 @@ class PoolLink:
         self.sync_on_start = sync_on_start
         self.sampling = dict(sampling or {})
         self.retry_s = retry_s
+        self.require_spans = require_spans
         self.update_timeout_s = update_timeout_s
         # The demo's settings: a near-uniform tiny policy has small top-1 margins; fp32 vLLM vs
         # fp32 torch differ by ~1e-5, far below 2e-3.
@@ -344,7 +351,7 @@ class PoolLink:
                 time.sleep(0.5)
                 continue
             if r.status_code == 200:
-                return self._parse(r.json(), n)
+                return self._parse(r.json(), n, self.require_spans)
             if r.status_code not in RETRY_STATUSES or time.monotonic() >= deadline:
                 raise PoolRolloutError(
                     f"router answered {r.status_code} to {GENERATE}: {r.text[:500]}",
@@ -359,7 +366,7 @@ class PoolLink:
             self.refused[code] += 1
 
     @staticmethod
-    def _parse(data: dict[str, Any], n: int) -> _Group:
+    def _parse(data: dict[str, Any], n: int, require_spans: bool) -> _Group:
         info = data["rollout"]
         choices = sorted(data["choices"], key=lambda c: int(c["index"]))
         if len(choices) != n:
@@ -370,8 +377,15 @@ class PoolLink:
         group = _Group(info=info, completions=[], logprobs=[], spans=[])
         for c in choices:
             tokens = [int(t) for t in c["token_ids"]]
-            spans = tuple(str(s["version"]) for s in c.get("weight_versions") or [])
-            if spans != (info["label"],) and not (spans == () and not tokens):
+            raw = c.get("weight_versions")
+            if raw is None and require_spans and tokens:
+                raise ProvenanceError(
+                    f"rollout {info['id']}: choice {c['index']} reports no weight_versions "
+                    "(replicas before vLLM 0.32 report none: PoolLink(require_spans=False))",
+                    rollout_id=info["id"],
+                )
+            spans = None if raw is None else tuple(str(s["version"]) for s in raw)
+            if spans is not None and spans != (info["label"],) and (spans or tokens):
                 raise ProvenanceError(
                     f"rollout {info['id']} is bound to {info['label']!r} (generation "
                     f"{info['generation']}) but choice {c['index']} reports weight versions "

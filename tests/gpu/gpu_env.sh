@@ -2,7 +2,8 @@
 #     source tests/gpu/gpu_env.sh
 # = the vLLM bundle (.stage/c2/unpack.sh: /tmp/site, /tmp/models, vLLM flags) + the extras of
 # tests/gpu/prepare_extras.sh (redis-server on PATH, redis-py / pydantic-settings on PYTHONPATH)
-# + the project on PYTHONPATH. NVLink multicast stays off (never set NCCL_NVLS_ENABLE=1).
+# + the project on PYTHONPATH + TRL (tests/gpu/prepare_trl.sh) where it travelled. NVLink
+# multicast stays off (never set NCCL_NVLS_ENABLE=1).
 source .stage/c2/unpack.sh || return $?
 if [ ! -x /tmp/extras/bin/redis-server ]; then
   mkdir -p /tmp/stage
@@ -11,6 +12,14 @@ if [ ! -x /tmp/extras/bin/redis-server ]; then
 fi
 export PATH=/tmp/extras/bin:$PATH
 export PYTHONPATH=$PWD:/tmp/extras/site:$PYTHONPATH
+# TRL and the dependencies the host lacks (tests/gpu/prepare_trl.sh), for the parts that came:
+# each unpacks once into /tmp/trl-site (a part copied to /tmp/stage by an earlier call counts)
+for part in pyarrow trl; do
+  [ -f "/tmp/trl-site/.$part" ] && continue
+  f=$(ls .stage/c*/$part.tar.xz /tmp/stage/$part.tar.xz 2>/dev/null | head -1)
+  [ -n "$f" ] && tar -xJf "$f" -C /tmp && touch "/tmp/trl-site/.$part"
+done
+[ -d /tmp/trl-site ] && export PYTHONPATH=$PYTHONPATH:/tmp/trl-site
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export ROLLOUTPOOL_GPU=1
 redis-server --version | head -1

@@ -192,6 +192,42 @@ def test_a_completion_whose_spans_contradict_its_binding_is_refused(
     assert link.samples == []
 
 
+def without_spans(n: int) -> dict[str, Any]:
+    """An answer from a replica whose vLLM reports no weight_versions (before 0.32)."""
+    out = answer(n)
+    for c in out["choices"]:
+        del c["weight_versions"]
+    return out
+
+
+def test_an_answer_without_spans_is_refused_unless_the_link_allows_it(
+    router: Router, link: PoolLink, tmp_path: Path
+) -> None:
+    router.script = [(200, without_spans(2), {})]
+    with pytest.raises(ProvenanceError, match="require_spans=False"):
+        link.rollout_func(["x", "x"], trainer())
+    assert link.samples == []
+
+    lenient = PoolLink(
+        router.url,
+        "http://127.0.0.1:9",
+        checkpoint_dir=tmp_path,
+        run="run1",
+        require_spans=False,
+    )
+    try:
+        router.script = [(200, without_spans(2), {})]
+        out = lenient.rollout_func(["x", "x"], trainer())
+        assert out["rollout_generation"] == [3, 3]
+        assert [s.spans for s in lenient.samples] == [None, None]  # unchecked, not faked
+        # spans that are there are still checked
+        router.script = [(200, answer(2, spans=[{"version": "run1-step2"}]), {})]
+        with pytest.raises(ProvenanceError):
+            lenient.rollout_func(["x", "x"], trainer())
+    finally:
+        lenient.close()
+
+
 def test_reward_wrapper_logs_lag_and_drops_stale_samples(link: PoolLink) -> None:
     metrics: dict[str, float] = {}
     extra: dict[str, list[Any]] = {}
