@@ -334,6 +334,10 @@ class PoolLink:
             "repetition_penalty": args.repetition_penalty,
             "max_tokens": args.max_completion_length,
             "logprobs": 0,
+            # vLLM's RequestOutputKind.FINAL_ONLY: the answer holds all n completions. vLLM 0.32+
+            # sets it on this endpoint itself; 0.26 does not, and its answer to n > 1 then
+            # carries only the completions of the last engine step
+            "output_kind": 2,
             **self.sampling,
         }
 

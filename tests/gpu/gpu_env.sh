@@ -13,13 +13,12 @@ fi
 export PATH=/tmp/extras/bin:$PATH
 export PYTHONPATH=$PWD:/tmp/extras/site:$PYTHONPATH
 # TRL and the dependencies the host lacks (tests/gpu/prepare_trl.sh), for the parts that came:
-# each unpacks once into /tmp/trl-site (a part copied to /tmp/stage by an earlier call counts)
+# each unpacks once into /tmp/trl/site-packages (a part copied to /tmp/stage by an earlier call
+# counts). The directory must be named site-packages: dill (datasets' fingerprints) pickles
+# modules from anywhere else by value, and fails on pyarrow's.
 for part in pyarrow trl; do
-  [ -f "/tmp/trl-site/.$part" ] && continue
+  [ -f "/tmp/trl/site-packages/.$part" ] && continue
   f=$(ls .stage/c*/$part.tar.xz /tmp/stage/$part.tar.xz 2>/dev/null | head -1)
-  [ -n "$f" ] && tar -xJf "$f" -C /tmp && touch "/tmp/trl-site/.$part"
+  [ -n "$f" ] && mkdir -p /tmp/trl && tar -xJf "$f" -C /tmp/trl && touch "/tmp/trl/site-packages/.$part"
 done
-[ -d /tmp/trl-site ] && export PYTHONPATH=$PYTHONPATH:/tmp/trl-site
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export ROLLOUTPOOL_GPU=1
-redis-server --version | head -1
+[ -d /tmp/trl/site-packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/trl/site-packages

@@ -137,6 +137,7 @@ def test_one_request_per_group_and_per_sample_provenance(router: Router, link: P
         2,
         0,
     )
+    assert sp["output_kind"] == 2  # FINAL_ONLY: vLLM 0.26 answers n > 1 with all n only so
     assert out["prompt_ids"] == [[2, 7]] * 3 + [[3, 7]] * 3
     assert out["completion_ids"] == [[0, 1], [4, 5], [8, 9]] * 2
     assert out["logprobs"] == [[-1.5, -1.5]] * 6
