@@ -267,14 +267,9 @@ class Bindings:
         held = self._leases.get(rollout_id)
         if held is None or held.info is None:
             return
-        i = held.info
         with contextlib.suppress(StoreError):
             await self.store.failover.record_lost(
-                rollout_id,
-                i.replica_id,
-                i.generation,
-                i.label,
-                i.identity_digest,
+                held.info,
                 session=held.session,
                 reason="its binding was lost in a Redis failover before the request ended",
             )

@@ -141,11 +141,7 @@ class FailoverGuard:
             )
         elif state == "":
             await self.store.failover.record_lost(
-                rollout_id,
-                i.replica_id,
-                i.generation,
-                i.label,
-                i.identity_digest,
+                i,
                 session=end.session,
                 reason=end.reason,
                 state=end.state,
@@ -160,11 +156,7 @@ class FailoverGuard:
         info = held.info
         assert info is not None
         if await self.store.failover.record_lost(
-            info.rollout_id,
-            info.replica_id,
-            info.generation,
-            info.label,
-            info.identity_digest,
+            info,
             session=held.session,
             reason=reason,
         ):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
@@ -54,6 +54,21 @@ if TYPE_CHECKING:
 
 EPOCH_SHIFT = 32
 _COUNTER = (1 << EPOCH_SHIFT) - 1
+
+
+class BoundRollout(Protocol):
+    """What :meth:`Failover.record_lost` needs of a binding (e.g. the router's ``RolloutInfo``)."""
+
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def label(self) -> str: ...
+    @property
+    def identity_digest(self) -> str: ...
 
 
 def fencing_token(epoch: int, n: int) -> int:
@@ -205,11 +220,7 @@ class Failover:
 
     async def record_lost(
         self,
-        rollout_id: str,
-        replica_id: str,
-        generation: int,
-        label: str,
-        identity_digest: str,
+        info: BoundRollout,
         *,
         session: bool,
         reason: str,
@@ -217,19 +228,19 @@ class Failover:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
     ) -> bool:
-        """Write the final record of a binding the failover lost (``state``, default aborted,
-        with ``reason``). Returns False if a record exists (it was not lost, or is recorded
-        already)."""
+        """Write the final record of ``info``'s binding, which the failover lost (``state``,
+        default aborted, with ``reason``). Returns False if a record exists (it was not lost, or
+        is recorded already)."""
         k = self.store.k
         out = await self.store._script(
             self._lost,
-            [k.binding(rollout_id), k.journal, k.gen_outcomes],
+            [k.binding(info.rollout_id), k.journal, k.gen_outcomes],
             [
-                rollout_id,
-                replica_id,
-                generation,
-                label,
-                identity_digest,
+                info.rollout_id,
+                info.replica_id,
+                info.generation,
+                info.label,
+                info.identity_digest,
                 int(session),
                 state.value,
                 reason,
