@@ -16,7 +16,10 @@ within ~20 steps). The default model is the tiny model ``rolloutpool up`` serves
 smaller init (a near-uniform policy, room to learn); the first thing the trainer does is push it,
 so the pool serves exactly the trainer's weights. Use ``--model`` for another checkpoint with the
 same architecture as the pool's model. Checkpoints are written under ``--checkpoints``, which the
-updater must be able to read (the same machine for ``rolloutpool up``).
+updater must be able to read (the same machine for ``rolloutpool up``). With GPU replicas of
+vLLM 0.26 (``rolloutpool up --config`` with ``replica: {flavor: gpu, ...}``, README "Use with
+your trainer"), add ``--no-spans --probe-margin 0.03``: that vLLM reports no per-token weight
+versions to check, and its fp32 attention may round through TF32.
 
 For your own task: replace ``prompts()`` with your dataset and ``divisible_by_4`` with your reward
 function (it also receives ``rollout_generation`` and ``rollout_policy_step`` per sample).
@@ -76,6 +79,18 @@ def main() -> None:
     ap.add_argument("--push-every", type=int, default=2)
     ap.add_argument("--no-wait", action="store_true", help="keep training while updates roll")
     ap.add_argument("--report-to", default="none", help="e.g. tensorboard, trackio, wandb")
+    ap.add_argument(
+        "--no-spans",
+        action="store_true",
+        help="replicas before vLLM 0.32 (e.g. 0.26 GPUs): no weight_versions to check",
+    )
+    ap.add_argument(
+        "--probe-margin",
+        type=float,
+        default=2e-3,
+        help="greedy margin of the validation probe (GPU replicas: 0.03; their fp32 attention "
+        "may round through TF32)",
+    )
     args = ap.parse_args()
 
     if args.model is None:
@@ -92,6 +107,8 @@ def main() -> None:
         push_every=args.push_every,
         wait=not args.no_wait,
         sampling={"ignore_eos": True},
+        require_spans=not args.no_spans,
+        probe={"margin": args.probe_margin},
     )
     config = GRPOConfig(
         output_dir=str(args.checkpoints.resolve() / "trainer"),
