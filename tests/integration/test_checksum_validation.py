@@ -18,11 +18,9 @@ cannot tell). Uses core 1 and the heavy lock like the other integration tests.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import shutil
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,27 +28,21 @@ import pytest_asyncio
 import torch
 from safetensors.torch import load_file, save_file
 
-from pool.checkpoint import checkpoint_checksums, read_manifest
+from pool.checkpoint import checkpoint_checksums
 from pool.checksum import from_json
 from pool.engine import VllmEngine
 from pool.evidence import TransferEvidence
-from pool.launcher import LocalReplica, ReplicaSpec
-from pool.store import RedisStore, UpdaterLease
-from pool.types import Generation, ReplicaState, WeightIdentity
-from testkit.models import ensure_model, marker_token
-from updater.cycle import CycleError, CycleRunner, Deadlines, Probe, ReplicaHandle, UpdateTarget
+from pool.types import ReplicaState
+from testkit.redis_server import RedisServer
+from tests.integration.marker_pool import Pool, marker_dir, marker_pool, target
+from updater.cycle import CycleError, CycleRunner, Deadlines
 from updater.transports.base import WeightsTarget
 from updater.transports.reload import ReloadTransport
 
 pytestmark = pytest.mark.integration
 S = ReplicaState
-PROMPT = tuple(range(10, 40))
 EXTENSION = ("--worker-extension-cls", "pool.replica_extension.WeightExtension")
 DEAD = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "layernorm")
-
-
-def marker_dir(g: int) -> Path:
-    return ensure_model("marker", token_id=marker_token(g))
 
 
 def variant(g: int, directory: Path, seed: int) -> Path:
@@ -64,15 +56,6 @@ def variant(g: int, directory: Path, seed: int) -> Path:
     shutil.copytree(marker_dir(g), directory, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
-
-
-def target(g: int, path: Path) -> UpdateTarget:
-    ident = WeightIdentity(
-        manifest_digest=read_manifest(path).digest, checkpoint_uri=str(path), step=g
-    )
-    return UpdateTarget(
-        Generation(number=g, label=f"g{g}"), ident, path, Probe(PROMPT, (marker_token(g),) * 4)
-    )
 
 
 class CorruptingReload(ReloadTransport):
@@ -112,48 +95,21 @@ def cut_after_90_percent(previous: Path) -> Callable[[Path], None]:
     return cut
 
 
-@dataclass
-class Pool:
-    replica: LocalReplica
-    store: RedisStore
-    lease: UpdaterLease
-    runner: CycleRunner
-    handle: ReplicaHandle
-
-
 @pytest_asyncio.fixture(scope="module")
-async def pool(redis_server, tmp_path_factory) -> AsyncIterator[Pool]:  # type: ignore[no-untyped-def]
-    from pool.settings import StoreSettings
-
-    spec = ReplicaSpec(
-        model=marker_dir(0),
-        name="checksum",
-        cpu_bind="1",
-        work_dir=tmp_path_factory.mktemp("checksum"),
+async def pool(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Pool]:
+    work = tmp_path_factory.mktemp("checksum")
+    transport = ReloadTransport(checksums=True)
+    async with marker_pool(
+        redis_server.url,
+        work,
+        "checksum",
+        transport,
         extra_args=EXTENSION,
-    )
-    replica = LocalReplica(spec)
-    await replica.start()
-    store = RedisStore.connect(StoreSettings(url=redis_server.url, namespace="checksum"))
-    lease = store.updater_lease("test")
-    token = await lease.acquire()
-    keep = asyncio.create_task(lease.keep_alive())
-    engine = VllmEngine(replica.url, timeout=60.0)
-    handle = ReplicaHandle("r0", engine, read_manifest(marker_dir(0)))
-    runner = CycleRunner(
-        store, lease, ReloadTransport(checksums=True), deadlines=Deadlines(transfer_s=30)
-    )
-    await store.register_replica("r0", replica.url, token)
-    t0 = target(0, marker_dir(0))
-    await runner.bootstrap(handle, t0.generation, t0.identity, t0.probe, checkpoint=t0.path)
-    try:
-        yield Pool(replica, store, lease, runner, handle)
-    finally:
-        keep.cancel()
-        await engine.aclose()
-        await lease.release()
-        await store.close()
-        await replica.stop()
+        bootstrap_checkpoint=True,
+    ) as p:
+        yield p
 
 
 async def latest(p: Pool) -> int:

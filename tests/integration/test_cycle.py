@@ -9,27 +9,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
 from pool.errors import AdmissionRefused
 from pool.evidence import TransferEvidence
-from pool.launcher import LocalReplica, ReplicaSpec
-from pool.store import RedisStore, UpdaterLease
 from pool.types import BindingState, Generation, ReplicaState, WeightIdentity
 from testkit.models import ensure_model, marker_token
+from testkit.redis_server import RedisServer
+from tests.integration.marker_pool import PROMPT, Pool, marker_dir, marker_pool, target
 from updater.cycle import (
     CycleError,
     CycleRunner,
     Deadlines,
     DrainPolicy,
     Probe,
-    ReplicaHandle,
     UpdateTarget,
 )
 from updater.transports.base import WeightsTarget
@@ -37,58 +34,15 @@ from updater.transports.reload import ReloadTransport
 
 pytestmark = pytest.mark.integration
 S = ReplicaState
-PROMPT = tuple(range(10, 40))
-
-
-def marker_dir(g: int) -> Path:
-    return ensure_model("marker", token_id=marker_token(g))
-
-
-def target(g: int, path: Path | None = None, expected: int | None = None) -> UpdateTarget:
-    path = path or marker_dir(g)
-    ident = WeightIdentity(
-        manifest_digest=read_manifest(path).digest, checkpoint_uri=str(path), step=g
-    )
-    tok = marker_token(g if expected is None else expected)
-    return UpdateTarget(Generation(number=g, label=f"g{g}"), ident, path, Probe(PROMPT, (tok,) * 4))
-
-
-@dataclass
-class Pool:
-    replica: LocalReplica
-    store: RedisStore
-    lease: UpdaterLease
-    runner: CycleRunner
-    handle: ReplicaHandle
 
 
 @pytest_asyncio.fixture(scope="module")
-async def pool(redis_server, tmp_path_factory) -> AsyncIterator[Pool]:  # type: ignore[no-untyped-def]
-    from pool.settings import StoreSettings
-
-    spec = ReplicaSpec(
-        model=marker_dir(0), name="cycle", cpu_bind="1", work_dir=tmp_path_factory.mktemp("cycle")
-    )
-    replica = LocalReplica(spec)
-    await replica.start()
-    store = RedisStore.connect(StoreSettings(url=redis_server.url, namespace="cycle"))
-    lease = store.updater_lease("test")
-    token = await lease.acquire()
-    keep = asyncio.create_task(lease.keep_alive())
-    engine = VllmEngine(replica.url, timeout=60.0)
-    handle = ReplicaHandle("r0", engine, read_manifest(marker_dir(0)))
-    runner = CycleRunner(store, lease, ReloadTransport(), deadlines=Deadlines(transfer_s=30))
-    await store.register_replica("r0", replica.url, token)
-    t0 = target(0)
-    await runner.bootstrap(handle, t0.generation, t0.identity, t0.probe, checkpoint=None)
-    try:
-        yield Pool(replica, store, lease, runner, handle)
-    finally:
-        keep.cancel()
-        await engine.aclose()
-        await lease.release()
-        await store.close()
-        await replica.stop()
+async def pool(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Pool]:
+    work = tmp_path_factory.mktemp("cycle")
+    async with marker_pool(redis_server.url, work, "cycle", ReloadTransport()) as p:
+        yield p
 
 
 async def serve(
