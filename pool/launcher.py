@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -257,6 +258,20 @@ def _group_stats(pgid: int) -> dict[int, list[str]]:
     return out
 
 
+@contextlib.contextmanager
+def _thread_affinity(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block with the calling thread (only) confined to ``cpus`` (None: unchanged)."""
+    if cpus is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+
+
 def widen_affinity(pgid: int, cpus: set[int], skip_comm_prefix: str = "VLLM::Worker") -> int:
     """Set every thread of group ``pgid`` to ``cpus``, except processes whose name starts with
     ``skip_comm_prefix`` (vLLM binds its CPU worker's threads itself). Returns threads changed.
@@ -384,7 +399,15 @@ class LocalReplica:
             raise LaunchError(f"{self.spec.name} was already started", pid=self.pid)
         rpc_dir = self._prepare_dirs()
         argv, env = self.spec.command(self.port, self.work_dir, rpc_dir)
-        with self.log_path.open("ab") as log:
+        # Start confined to the replica's own cores (its processes inherit the mask): torch's
+        # MKL counts cores at import by pinning the importing thread to each allowed CPU in
+        # turn, and a thread moved onto a CPU saturated by another replica's pinned worker was
+        # seen to wait there for minutes (stuck in sched_setaffinity, never scheduled). The
+        # mask is widened again once the server is ready (:func:`widen_affinity`). The child
+        # inherits the mask of the thread that forks it, so this thread holds the mask for the
+        # fork: set on the child afterwards, the child could run unconfined first.
+        self._confined_to = self._startup_cpus()
+        with self.log_path.open("ab") as log, _thread_affinity(self._confined_to):
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             log.write(f"=== {stamp} {LAUNCH_MARK} {' '.join(argv)}\n".encode())
             log.flush()
@@ -397,15 +420,6 @@ class LocalReplica:
                 cwd=self.work_dir,
                 start_new_session=True,
             )
-        # Start confined to the replica's own cores (its processes inherit the mask): torch's
-        # MKL counts cores at import by pinning the importing thread to each allowed CPU in
-        # turn, and a thread moved onto a CPU saturated by another replica's pinned worker was
-        # seen to wait there for minutes (stuck in sched_setaffinity, never scheduled). The
-        # mask is widened again once the server is ready (:func:`widen_affinity`).
-        self._confined_to = self._startup_cpus()
-        if self._confined_to is not None:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(self._proc.pid, self._confined_to)
 
     async def start(self) -> float:
         """Spawn the server and wait until it serves a real completion; returns seconds taken.
