@@ -84,6 +84,7 @@ class PoolConfig(BaseModel):
         owned = set(v) & _PER_REPLICA
         if owned:
             raise ValueError(f"replica: {sorted(owned)} are set by the pool per replica")
+        ReplicaSpec(model=Path("/"), **v)  # values refused now, not when the pool starts
         return v
 
     @property

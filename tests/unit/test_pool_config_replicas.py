@@ -43,7 +43,11 @@ replica:
 
 @pytest.mark.parametrize(
     ("fields", "named"),
-    [({"flavour": "gpu"}, "flavour"), ({"name": "x", "work_dir": "/tmp"}, "name")],
+    [
+        ({"flavour": "gpu"}, "flavour"),
+        ({"name": "x", "work_dir": "/tmp"}, "name"),
+        ({"flavor": "tpu"}, "flavor"),  # a bad value: refused when the config is read
+    ],
 )
 def test_unknown_or_per_replica_fields_are_refused(
     fields: dict[str, str], named: str, tmp_path: Path
