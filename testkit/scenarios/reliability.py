@@ -389,6 +389,10 @@ async def redis_outage(env: Env) -> dict[str, Any]:
         ),
         "resumed": restart["resumed"] and stopped["resumed"] and rec["state"] == "succeeded",
         "update_after": rec["state"],
+        "update_after_error": rec["error"],
+        "update_after_replicas": {
+            rid: f"{r['outcome']}: {r['reason']}" for rid, r in rec["replicas"].items()
+        },
         "durability": "appendonly yes, appendfsync everysec: a clean restart loses nothing; a "
         "crash can lose up to ~1 s of writes",
         "auth": f"ACL user {USER!r} with a password (the default user has a random "

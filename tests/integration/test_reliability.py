@@ -27,7 +27,12 @@ async def test_faults_outages_and_fuzzing(tmp_path: Path) -> None:
     assert o["stopped_10s"]["requests_during"] > 0
     assert o["stopped_10s"]["update_push_during"].startswith("refused")
     assert o["bindings_lost_after_restart"] == 0
-    assert o["resumed"], o
+    # a str message (pytest shortens a dict's repr): why the update after the outage ended so
+    assert o["resumed"], (
+        f"restart resumed={o['restart']['resumed']}, stopped_10s resumed="
+        f"{o['stopped_10s']['resumed']}, update after: {o['update_after']} "
+        f"{o['update_after_error']!r} {o['update_after_replicas']}"
+    )
     z = r["fuzz"]
     assert z["server_errors"] == 0, (z["updater_tail"], z["router_tail"])
     assert z["leaked_bindings"] == 0
