@@ -46,11 +46,20 @@ class EpochGate:
 
     async def settled(self) -> Epoch:
         """The current epoch, once it is settled and every live router has verified it (see
-        the module doc); StoreUnavailable after ``timeout_s``."""
+        the module doc); StoreUnavailable after ``timeout_s``. Redis being unreachable for a
+        moment (e.g. the first call on a pooled connection after a restart) is waited out like
+        an unsettled epoch, within the same ``timeout_s``."""
         t0 = time.monotonic()
         while True:
-            epoch = await self.store.failover.epoch()
-            routers = await self.store.failover.routers()
+            try:
+                epoch = await self.store.failover.epoch()
+                routers = await self.store.failover.routers()
+            except StoreUnavailable as err:
+                if time.monotonic() - t0 > self.timeout_s:
+                    raise
+                log.info("failover check: %s; trying again", err)
+                await asyncio.sleep(self.poll_s)
+                continue
             behind = sorted(rid for rid, e in routers.items() if e < epoch.number)
             if epoch.settled and not behind:
                 if time.monotonic() - t0 > self.poll_s:
