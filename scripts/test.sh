@@ -29,11 +29,11 @@ fi
 # two workers: the unit suite stays under a minute on 2 cores
 .venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120 -n 2
 # One pytest process per integration module (each starts with a fresh event loop and fixtures).
-# In one shared process, three late tests failed twice (the router's disconnect and deadline
-# tests, the reliability scenario's update after the Redis outage). No shared state was found
-# (tasks, environment, affinity, GC, threads, processes: ruled out), and every earlier module
-# before them passed in one process again. The router tests failed on a stall of the test
-# process of ~1.6 s; the machine then also ran other load. The loop is kept: it is what passed
+# In one shared process, three late tests failed twice. No shared state was found (tasks,
+# environment, affinity, GC, threads, processes: ruled out). The reliability failure was an
+# updater bug that also hit the module alone (the epoch gate gave up on the first Redis error
+# after an outage; fixed). The router's disconnect and deadline tests failed on a stall of the
+# test process of ~1.6 s while the machine ran other load. The loop is kept: it is what passed
 # in CI and in every full run since.
 rc=0
 for module in tests/integration/test_*.py; do
