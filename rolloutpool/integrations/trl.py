@@ -117,6 +117,7 @@ if importlib.metadata.version("trl") != TRL_VERSION:
     )
 
 GENERATE = "/inference/v1/generate"
+_NO_SPANS = " (replicas before vLLM 0.32 report none: PoolLink(require_spans=False))"
 RETRY_STATUSES = frozenset({502, 503, 504})
 RewardFunc = Callable[..., list[float | None]]  # TRL's own type for a reward function
 
@@ -382,18 +383,15 @@ class PoolLink:
         for c in choices:
             tokens = [int(t) for t in c["token_ids"]]
             raw = c.get("weight_versions")
-            if raw is None and require_spans and tokens:
-                raise ProvenanceError(
-                    f"rollout {info['id']}: choice {c['index']} reports no weight_versions "
-                    "(replicas before vLLM 0.32 report none: PoolLink(require_spans=False))",
-                    rollout_id=info["id"],
-                )
-            spans = None if raw is None else tuple(str(s["version"]) for s in raw)
+            spans = None
+            if raw is not None or require_spans:
+                spans = tuple(str(s["version"]) for s in raw or [])
             if spans is not None and spans != (info["label"],) and (spans or tokens):
+                hint = "" if raw is not None else _NO_SPANS
                 raise ProvenanceError(
                     f"rollout {info['id']} is bound to {info['label']!r} (generation "
                     f"{info['generation']}) but choice {c['index']} reports weight versions "
-                    f"{list(spans)!r}",
+                    f"{list(spans)!r}{hint}",
                     rollout_id=info["id"],
                 )
             content = (c.get("logprobs") or {}).get("content") or []
