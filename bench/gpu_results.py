@@ -10,10 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-
-def med(xs: list[float]) -> float | None:
-    return round(statistics.median(xs), 4) if xs else None
-
+from bench._stats import med
 
 GOALS = {
     "whole_transfer_GBps": 300.0,

@@ -37,14 +37,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_direct import Refs, make_runner, new_generation, run_cycle
-from bench.gpu_update import (
+from bench.gpu.cycles import Refs, make_runner, new_generation, run_cycle
+from bench.gpu.harness import (
     TF_MAX_TOL,
     TF_MEAN_TOL,
     Env,
     Load,
     Trainer,
-    _attach,
+    attach,
     gen,
     gpu_info,
     identity,
@@ -107,7 +107,7 @@ async def set_up(env: Env) -> tuple[Any, Any, Refs]:
     res["start_s"] = {rid: round(float(s or 0), 1) for rid, s in zip(GPUS, starts[1:], strict=True)}
     res["set_up_s"] = round(now() - t0, 1)
     for rid in GPUS:
-        await _attach(env, rid)
+        await attach(env, rid)
     trainer = env.trainer
     assert trainer is not None
     refs = Refs(trainer)
@@ -284,7 +284,7 @@ async def phase_tp2(env: Env, runner: Any, transport: Any, refs: Refs) -> None:
         transport.forget(env.handles[rid].engine.url)
     t0 = now()
     out["start_s"] = round(await start(env, "t0", "2,3", tp=2), 1)
-    await _attach(env, "t0")
+    await attach(env, "t0")
     h = env.handles["t0"]
     g = res["g_latest"]
     new_generation(env, refs, g)

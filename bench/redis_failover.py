@@ -50,7 +50,7 @@ async def _pairs(store: RedisStore, n: int, wait: bool) -> float:
             keys = [k.replica("r0"), k.active("r0"), k.binding(rid), k.leases, k.latest]
             keys += [k.journal, k.gen_admissions]
             args = [rid, "r0", 30_000, 0, -1, -1, 0, store.settings.journal_maxlen]
-            await store._durable(store._admit, keys, args)  # the ADMIT script, then WAIT 1
+            await store.run_durable(store._admit, keys, args)  # the ADMIT script, then WAIT 1
         else:
             await store.admit(rid, "r0")
         await store.release(rid, "r0")

@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 
 from bench._meta import write
+from bench._stats import pct
 from pool.launcher import free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
@@ -55,11 +56,6 @@ from testkit.redis_server import RedisServer
 from testkit.stub_upstream import STUB_MODEL, StubUpstream, completion_body
 
 PROMPT = "the quick brown fox"
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def summary(xs: list[float]) -> dict[str, float]:

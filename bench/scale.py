@@ -19,7 +19,9 @@ measured): ``rows`` (one per configuration), ``replicas_max``, ``routers_max``, 
 ``roll_over_window_ratio`` (worst update: full roll time / the median replica's drain+update
 window of that update), ``capacity_ratio_vs_ideal`` (minimum sampled admitting capacity during
 the rolls over (N-k)/N) and ``redis_commands_per_rollout`` (commands a single-request rollout
-sends to Redis: ADMIT and RELEASE scripts, from ``MONITOR``), with ``goals`` saying which held.
+sends to Redis, from ``MONITOR``), with ``goals`` saying which held; and per router count the
+idle Redis commands/s by N (``redis_idle_flat_in_n``: the largest pool's within 25 % of the
+smallest's, the view coming by change feed).
 """
 
 from __future__ import annotations
@@ -75,6 +77,19 @@ def summary(rows: list[dict[str, Any]], matrix: list[tuple[int, int, str]]) -> d
         "leaked_bindings": sum(r["leaked_bindings"] for r in done),
         "all_on_last_generation": all(r["all_on_last_generation"] for r in done),
     }
+    idle: dict[int, dict[int, float]] = {}
+    for r in done:
+        idle.setdefault(r["routers"], {})[r["replicas"]] = r["redis_idle_commands_per_s"]
+    out["redis_idle_commands_per_s_by_routers_and_replicas"] = idle
+    flat = {
+        routers: round(by_n[max(by_n)] / by_n[min(by_n)], 2)
+        for routers, by_n in idle.items()
+        if len(by_n) > 1 and by_n[min(by_n)] > 0
+    }
+    if flat:
+        # idle load independent of N: the largest pool's idle commands/s over the smallest's
+        out["redis_idle_largest_over_smallest_n"] = flat
+        out["redis_idle_flat_in_n"] = all(x <= 1.25 for x in flat.values())
     goal = next((r for r in done if r["config"] == "{}:{}:{}".format(*GOAL)), None)
     if goal is not None:
         n, k = goal["replicas"], goal["k"]

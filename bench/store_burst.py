@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 
 from bench._meta import write
+from bench._stats import pct
 from pool.launcher import free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
@@ -100,11 +101,6 @@ def upstream_server(port: int, hold_s: float) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/stats", stats)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=4096)
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))] if s else 0.0
 
 
 async def wait_up(url: str, timeout_s: float = 60) -> None:

@@ -17,9 +17,9 @@ smaller init (a near-uniform policy, room to learn); the first thing the trainer
 so the pool serves exactly the trainer's weights. Use ``--model`` for another checkpoint with the
 same architecture as the pool's model. Checkpoints are written under ``--checkpoints``, which the
 updater must be able to read (the same machine for ``rolloutpool up``). With GPU replicas of
-vLLM 0.26 (``rolloutpool up --config`` with ``replica: {flavor: gpu, ...}``, README "Use with
-your trainer"), add ``--no-spans --probe-margin 0.03``: that vLLM reports no per-token weight
-versions to check, and its fp32 attention may round through TF32.
+vLLM 0.26 (``rolloutpool up --config`` with ``replica: {flavor: gpu, ...}``,
+docs/guides/trainers.md), add ``--no-spans --probe-margin 0.03``: that vLLM reports no
+per-token weight versions to check, and its fp32 attention may round through TF32.
 
 For your own task: replace ``prompts()`` with your dataset and ``divisible_by_4`` with your reward
 function (it also receives ``rollout_generation`` and ``rollout_policy_step`` per sample).

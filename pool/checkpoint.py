@@ -120,17 +120,25 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def _confined(directory: Path, file: Path) -> None:
-    """Refuse ``file`` unless it resolves to a regular file inside ``directory``."""
+    """Refuse ``file`` unless it resolves to a regular file inside ``directory`` that has no
+    other name: a hard link has no "inside", it may be any file of the filesystem."""
     try:
         target = file.resolve(strict=True)
         inside = target.is_relative_to(directory.resolve(strict=True))
+        links = target.stat().st_nlink
     except (OSError, RuntimeError):  # dangling link, loop
-        inside = False
+        inside, links = False, 1
         target = file
     if not inside or not target.is_file():
         raise CheckpointError(
             f"{file.name} is not a regular file inside the checkpoint directory {directory} "
             "(symlinks must stay inside it)",
+            path=str(directory),
+        )
+    if links > 1:
+        raise CheckpointError(
+            f"{file.name} in the checkpoint directory {directory} has {links} hard links: "
+            "a checkpoint's files must have one name each (copy the file instead of linking)",
             path=str(directory),
         )
 
@@ -155,8 +163,9 @@ def read_header(file: Path) -> dict[str, Any]:
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}", path=str(file)) from e
     if len(blob) != n:
-        raise CheckpointError(
-            f"{file}: header truncated ({len(blob)} of {n} bytes)", path=str(file)
+        raise CheckpointError(  # the declared length is file content: not echoed
+            f"{file}: header truncated (the file ends after {len(blob)} header bytes)",
+            path=str(file),
         )
     try:
         header = json.loads(blob)

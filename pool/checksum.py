@@ -3,8 +3,8 @@
 A sender (the NCCL transports while they send, the ``reload`` transport over the checkpoint it
 names) and a replica (the worker extension, :mod:`pool.replica_extension`, over its runtime
 parameters after the load) compute :class:`Checksum` values per *checkpoint* tensor name; the
-cycle runner compares them (:func:`compare`) and a replica is published only if every one is
-equal (:class:`~pool.evidence.ChecksumEvidence`).
+cycle runner compares them (:meth:`pool.evidence.ChecksumEvidence.compare`) and a replica is
+published only if every one is equal.
 
 **Definition.** A tensor's bytes in C order are read as little-endian signed 16-bit words
 ``w_0 .. w_{n-1}`` (a dtype of one byte: each byte is one signed word). Then::
@@ -39,13 +39,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pool.evidence import ChecksumEvidence
+    pass
 
 __all__ = [
     "MODULUS",
     "Checksum",
     "Pending",
-    "compare",
     "from_json",
     "tensor_checksums",
     "to_json",
@@ -234,36 +233,3 @@ def _triton_kernel() -> Any:
         else:
             _TRITON["fn"] = lambda words: mod.partial_sums(words, _TRITON_BLOCK, MODULUS)
     return _TRITON["fn"]
-
-
-# ------------------------------------------------------------------------------ comparison
-
-
-def compare(
-    expected: Mapping[str, Checksum],
-    actual: Mapping[str, Checksum],
-    *,
-    sender_s: float = 0.0,
-    replica_s: float = 0.0,
-    error: str = "",
-    limit: int = 8,
-) -> ChecksumEvidence:
-    """The evidence of comparing the sender's checksums with the replica's: every name sent must
-    be reported with equal dtype, shape and sums, and the replica must report no other name
-    (a parameter nobody sent holds weights nobody vouches for). Up to ``limit`` names of each
-    kind of difference are kept."""
-    from pool.evidence import ChecksumEvidence  # (pool.types needs pydantic; the extension not)
-
-    mismatched = sorted(n for n in expected.keys() & actual.keys() if expected[n] != actual[n])
-    missing = sorted(expected.keys() - actual.keys())
-    unexpected = sorted(actual.keys() - expected.keys())
-    return ChecksumEvidence(
-        compared=len(expected.keys() & actual.keys()),
-        mismatched=len(mismatched),
-        missing=len(missing),
-        unexpected=len(unexpected),
-        examples=tuple((mismatched + missing + unexpected)[:limit]),
-        sender_s=sender_s,
-        replica_s=replica_s,
-        error=error,
-    )

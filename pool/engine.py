@@ -1,7 +1,8 @@
 """Async HTTP client for one vLLM server's control plane (vLLM 0.26 - 0.33, CPU or GPU).
 
 :class:`VllmEngine` wraps the dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) that RolloutPool
-needs and returns typed evidence (:mod:`pool.evidence`) or the small frozen values defined here.
+needs and returns typed evidence (:mod:`pool.evidence`) or the small frozen values of
+:mod:`pool.engine_values` (exported here too).
 Call :meth:`VllmEngine.bootstrap` first: it reads ``GET /version`` and records
 :class:`Capabilities`, which decide what the version-dependent calls do (0.26 has no weight
 labels, for instance).
@@ -43,12 +44,20 @@ import asyncio
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from pool.engine_values import (
+    AbortResult,
+    Capabilities,
+    EngineMetrics,
+    GenerateResult,
+    RpcResult,
+    WeightVersionSpan,
+    WorldSize,
+    parse_version,
+)
 from pool.errors import AmbiguousMutation, EngineError, NoMutation
 from pool.evidence import CacheResetEvidence, LabelEvidence, PauseEvidence, ResumeEvidence
 
@@ -70,113 +79,7 @@ PauseMode = Literal["abort", "wait", "keep"]
 _BODY_EXCERPT = 500
 
 
-def parse_version(version: str) -> tuple[int, int, int]:
-    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``; ``"0.11.1rc2.dev35+g1"`` -> ``(0, 11, 1)``.
-
-    Raises ``ValueError`` if the string does not start with ``MAJOR.MINOR``.
-    """
-    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if m is None:
-        raise ValueError(f"not a vLLM version: {version!r}")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What the server's vLLM version offers (from ``GET /version``).
-
-    ``labels``: ``/weight_info`` and ``/update_weight_version`` (0.27+).
-    ``spans_generate``: per-token ``weight_versions`` on ``/inference/v1/generate`` (0.32+).
-    ``spans_completions``: the same on ``/v1/completions`` with ``return_weight_versions``
-    (0.33+). ``paused_503``: a new request sent while paused (``abort``/``wait``) gets HTTP 503
-    instead of being queued silently (0.33+).
-    """
-
-    version: str
-    version_tuple: tuple[int, int, int]
-    labels: bool
-    spans_generate: bool
-    spans_completions: bool
-    paused_503: bool
-
-    @classmethod
-    def from_version(cls, version: str) -> Capabilities:
-        v = parse_version(version)
-        return cls(
-            version=version,
-            version_tuple=v,
-            labels=v >= (0, 27, 0),
-            spans_generate=v >= (0, 32, 0),
-            spans_completions=v >= (0, 33, 0),
-            paused_503=v >= (0, 33, 0),
-        )
-
-
-@dataclass(frozen=True)
-class EngineMetrics:
-    """A scrape of ``/metrics``, each value summed over all label sets (engines, models).
-
-    Prefix-cache counters count tokens (queried / served from cache) since server start.
-    ``process_start_time`` is the API server process's start (Unix seconds, prometheus_client's
-    ``process_start_time_seconds``; None where the server does not export it, e.g. vLLM with
-    several API server processes): it tells one server process from its successor.
-    """
-
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    requests_running: int
-    requests_waiting: int
-    process_start_time: float | None = None
-
-    @property
-    def process(self) -> str | None:
-        """The serving process's identity: evidence that a restart happened when it changes."""
-        if self.process_start_time is None:
-            return None
-        return f"api-server-started:{self.process_start_time:.2f}"
-
-
-@dataclass(frozen=True)
-class WorldSize:
-    """``GET /get_world_size``: TP*PP (times DP when ``include_dp``)."""
-
-    world_size: int
-    include_dp: bool
-
-
-@dataclass(frozen=True)
-class AbortResult:
-    """``POST /abort_requests``: ``requested`` is None when everything was aborted."""
-
-    aborted: int
-    requested: tuple[str, ...] | None
-
-
-@dataclass(frozen=True)
-class RpcResult:
-    """``POST /collective_rpc``: one result per worker (None, a JSON value, or a string)."""
-
-    method: str
-    results: tuple[Any, ...]
-    elapsed_s: float
-
-
-@dataclass(frozen=True)
-class WeightVersionSpan:
-    """Output tokens ``[start, end)`` were sampled while the engine's label was ``version``."""
-
-    version: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """One choice of ``/inference/v1/generate``. ``weight_versions`` is None if not reported."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    weight_versions: tuple[WeightVersionSpan, ...] | None
+_START_TIME = re.compile(r"^process_start_time_seconds(?:\{[^}]*\})? (\S+)", re.MULTILINE)
 
 
 class VllmEngine:
@@ -375,6 +278,34 @@ class VllmEngine:
                 **{**e.context, "after": after},
             ) from e
 
+    async def confirm_resumed(self, *, timeout_s: float | None = None) -> ResumeEvidence:
+        """``GET /is_paused`` on an engine resumed earlier, then the serving process's identity
+        (``/metrics``): evidence that this process, unpaused, serves (read-only)."""
+        t0 = time.monotonic()
+        r = await self._call("GET", "/is_paused", mutating=False, timeout_s=timeout_s)
+        value = self._body(r, mutating=False).get("is_paused")
+        if not isinstance(value, bool):
+            raise self._unexpected(r, "is_paused is not a boolean", mutating=False)
+        process = await self.process_identity(timeout_s=timeout_s)
+        return ResumeEvidence(
+            http_status=r.status_code,
+            is_paused=value,
+            elapsed_s=time.monotonic() - t0,
+            process=process,
+        )
+
+    async def process_identity(self, *, timeout_s: float | None = None) -> str | None:
+        """The serving process's identity (:attr:`EngineMetrics.process`) from ``/metrics``,
+        found without parsing the whole scrape (the supervisor asks every health round)."""
+        r = await self._call("GET", "/metrics", mutating=False, timeout_s=timeout_s)
+        m = _START_TIME.search(r.text)
+        if m is None:
+            return None
+        try:
+            return EngineMetrics(0, 0, 0, 0, float(m[1])).process
+        except ValueError as e:
+            raise self._unexpected(r, f"unparsable process_start_time ({e})", mutating=False) from e
+
     async def is_paused(self, *, timeout_s: float | None = None) -> bool:
         """``GET /is_paused`` -> the ``is_paused`` field (read-only)."""
         r = await self._call("GET", "/is_paused", mutating=False, timeout_s=timeout_s)
@@ -541,29 +472,10 @@ class VllmEngine:
         """Scrape ``/metrics``; prefix-cache counters and running/waiting gauges, summed, and the
         API server's process start time."""
         r = await self._call("GET", "/metrics", mutating=False, timeout_s=timeout_s)
-        started: float | None = None
-        wanted = {
-            "vllm:prefix_cache_queries_total": 0.0,
-            "vllm:prefix_cache_hits_total": 0.0,
-            "vllm:num_requests_running": 0.0,
-            "vllm:num_requests_waiting": 0.0,
-        }
         try:
-            for family in text_string_to_metric_families(r.text):
-                for sample in family.samples:
-                    if sample.name in wanted:
-                        wanted[sample.name] += sample.value
-                    elif sample.name == "process_start_time_seconds":
-                        started = sample.value
+            return EngineMetrics.parse(r.text)
         except ValueError as e:
             raise self._unexpected(r, f"unparsable metrics ({e})", mutating=False) from e
-        return EngineMetrics(
-            prefix_cache_queries=int(wanted["vllm:prefix_cache_queries_total"]),
-            prefix_cache_hits=int(wanted["vllm:prefix_cache_hits_total"]),
-            requests_running=int(wanted["vllm:num_requests_running"]),
-            requests_waiting=int(wanted["vllm:num_requests_waiting"]),
-            process_start_time=started,
-        )
 
     async def complete(
         self,

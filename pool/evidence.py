@@ -40,11 +40,16 @@ class PauseEvidence:
 
 @dataclass(frozen=True)
 class ResumeEvidence:
-    """``POST /resume`` answered, then ``GET /is_paused`` was read back."""
+    """The engine answered that it is not paused: ``POST /resume`` with ``GET /is_paused`` read
+    back, or (:meth:`pool.engine.VllmEngine.confirm_resumed`) ``GET /is_paused`` on an engine
+    resumed earlier; ``http_status`` is that call's own status. ``process``: the serving
+    process's identity read right after it (None where the engine reports none); RESUMING
+    publishes a replica only if it is still the process that was validated."""
 
     http_status: int
     is_paused: bool
     elapsed_s: float = 0.0
+    process: str | None = None
 
     @property
     def proves_resumed(self) -> bool:
@@ -140,10 +145,40 @@ class ChecksumEvidence:
             and self.mismatched == self.missing == self.unexpected == 0
         )
 
+    @classmethod
+    def compare(
+        cls,
+        expected: Mapping[str, Checksum],
+        actual: Mapping[str, Checksum],
+        *,
+        sender_s: float = 0.0,
+        replica_s: float = 0.0,
+        error: str = "",
+        limit: int = 8,
+    ) -> ChecksumEvidence:
+        """The sender's checksums (``expected``) against the replica's: every name sent must be
+        reported with equal dtype, shape and sums, and the replica must report no other name
+        (a parameter nobody sent holds weights nobody vouches for). Up to ``limit`` names of
+        each kind of difference are kept."""
+        mismatched = sorted(n for n in expected.keys() & actual.keys() if expected[n] != actual[n])
+        missing = sorted(expected.keys() - actual.keys())
+        unexpected = sorted(actual.keys() - expected.keys())
+        return cls(
+            compared=len(expected.keys() & actual.keys()),
+            mismatched=len(mismatched),
+            missing=len(missing),
+            unexpected=len(unexpected),
+            examples=tuple((mismatched + missing + unexpected)[:limit]),
+            sender_s=sender_s,
+            replica_s=replica_s,
+            error=error,
+        )
+
 
 @dataclass(frozen=True)
 class ValidationEvidence:
-    """Validation run while the engine is still paused.
+    """Validation, run while the replica is closed to admissions (the engine resumed for the
+    probe with the store still saying VALIDATING and 0 active: no rollout can reach it).
 
     ``label`` is None where the server has no labels (vLLM 0.26). ``probe_expected`` is the
     reference output of the target checkpoint; ``probe_actual`` what the replica produced.
@@ -179,6 +214,11 @@ class ValidationEvidence:
 _SEP = " @ "  # between the two parts of an encoded ProcessIdentity
 
 
+#: The engine identity recorded for a tainted process that was no longer running when its
+#: recovery began: any process that reports an identity afterwards is another one.
+GONE = "gone: not running when recovery began"
+
+
 @dataclass(frozen=True)
 class ProcessIdentity:
     """Which server process a replica is.
@@ -198,9 +238,11 @@ class ProcessIdentity:
     def replaces(self, old: ProcessIdentity | None) -> bool:
         """Whether this is evidence of a *new* process in place of ``old`` (I6): the engine
         reports another process and, where ``old`` had a provider identity, the provider
-        reports another one too. Any identity replaces an unknown one (``old`` None)."""
+        reports another one too. Nothing is evidence against an unknown one (``old`` None):
+        whoever recovers a replica records the tainted process's identity first
+        (:data:`GONE` where it no longer ran)."""
         if old is None:
-            return True
+            return False
         if self.engine == old.engine:
             return False
         return old.provider is None or (self.provider is not None and self.provider != old.provider)

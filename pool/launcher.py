@@ -358,6 +358,8 @@ class LocalReplica:
         self._proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         self._confined_to: set[int] | None = None  # the start's CPU mask, until it is ready
+        #: set once :meth:`spawn` has started the current process (cleared by :meth:`restart`)
+        self.spawned = asyncio.Event()
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -420,6 +422,7 @@ class LocalReplica:
                 cwd=self.work_dir,
                 start_new_session=True,
             )
+        self.spawned.set()
 
     async def start(self) -> float:
         """Spawn the server and wait until it serves a real completion; returns seconds taken.
@@ -573,6 +576,7 @@ class LocalReplica:
         dir, so the replica keeps its URL. Returns the start time in seconds (see :meth:`start`)."""
         await self.stop()
         self._proc = None
+        self.spawned.clear()
         return await self.start()
 
     async def __aenter__(self) -> LocalReplica:

@@ -202,6 +202,13 @@ def _resumed(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, ResumeEvidence)
     if not ev.proves_resumed:
         raise _refuse(lc, ev, f"http={ev.http_status} is_paused={ev.is_paused}")
+    if ev.process is not None and lc.process is not None and ev.process != lc.process.engine:
+        raise _refuse(
+            lc,
+            ev,
+            f"the server process changed since it was validated ({lc.process} -> "
+            f"{ev.process}): its weights are not the ones validated",
+        )
     return Lifecycle(generation=lc.target, identity=lc.target_identity, process=lc.process)
 
 
@@ -247,8 +254,3 @@ def advance(lc: Lifecycle, event: Event) -> Lifecycle:
             event=type(event).__name__,
         )
     return replace(GUARDS[type(event)](lc, event), state=nxt)
-
-
-def is_allowed(state: ReplicaState, event_type: type) -> bool:
-    """Whether the table accepts ``event_type`` in ``state`` (guards aside)."""
-    return event_type is StepFailed or event_type in TRANSITIONS[state]

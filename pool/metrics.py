@@ -117,6 +117,7 @@ class RouterMetrics:
     request_latency: Histogram
     admission_latency: Histogram
     pool: PoolGauges
+    path_round_trips: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
@@ -159,6 +160,14 @@ class RouterMetrics:
                 registry=registry,
             ),
             pool=PoolGauges.create(registry),
+            path_round_trips=Counter(
+                "rolloutpool_router_path_round_trips",
+                "Redis round trips one-request rollouts waited for before their answer, by "
+                "call (admit, release: without grants; grant: a grant grown because no slot "
+                "was free)",
+                ["call"],
+                registry=registry,
+            ),
         )
 
 

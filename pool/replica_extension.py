@@ -18,6 +18,10 @@ engine loop and blocks it: call them on a paused engine.
   the receiving side of the ``nccl_direct`` transport: join an NCCL group with the sender
   (rank 0) and broadcast each tensor straight into the runtime parameter (no staging buffer, no
   ``load_weights``). GPU only.
+* :meth:`WeightExtension.rolloutpool_ipc_check` / ``_ipc_copy`` / ``_ipc_close`` — the
+  receiving side of the ``ipc_direct`` transport: open the sender's staging buffer by its CUDA
+  IPC handle (:mod:`pool.ipc_handles`, once per buffer) and copy each staged tensor into its
+  runtime parameter on this GPU (:mod:`pool.ipc_copy`). GPU only.
 
 **Layout.** vLLM fuses some checkpoint tensors into one runtime parameter (``q_proj``,
 ``k_proj``, ``v_proj`` -> ``qkv_proj``; ``gate_proj``, ``up_proj`` -> ``gate_up_proj``; the
@@ -49,9 +53,13 @@ import time
 from typing import Any
 
 from pool.checksum import Pending, tensor_checksums, to_json
+from pool.ipc_copy import Prepared, plan
+from pool.ipc_handles import Entry, IpcHandle, open_buffer, read_tag, resolve_device
 from pool.shards import Piece, tp_pieces
 
 __all__ = ["WeightExtension", "runtime_views"]
+
+_IPC_PLANS = 4  #: copy plans a worker keeps (one per staging slot and rank in use)
 
 
 def _torch() -> Any:
@@ -65,6 +73,25 @@ def _nbytes(torch: Any, dtype: str, shape: Any) -> int:
     for d in shape:
         n *= int(d)
     return n * int(torch.empty((), dtype=getattr(torch, dtype)).element_size())
+
+
+def _open_ipc(h: IpcHandle) -> tuple[Any, str]:
+    """Open ``h`` from this worker's current GPU: ``(buffer, "")`` or ``(None, why)`` (an
+    unreachable GPU, or CUDA refusing the handle, e.g. because its owner exited)."""
+    current = int(_torch().cuda.current_device())
+    index, why = resolve_device(h.device_uuid, current)
+    if index is None:
+        return None, f"unreachable staging buffer: {why}"
+    try:
+        return open_buffer(h, index), ""
+    except Exception as e:  # cudaIpcOpenMemHandle's error, whatever torch wraps it in
+        return None, f"cannot open the staging buffer: {type(e).__name__}: {e}"
+
+
+def _addresses(model: Any) -> tuple[int, ...]:
+    """Where every parameter of ``model`` lives now (a kept copy plan is valid while this is
+    unchanged: it holds views of these storages)."""
+    return tuple(int(p.data_ptr()) for p in model.parameters())
 
 
 def _recovered_cpu_weight(torch: Any, module: Any, weight: Any) -> Any:
@@ -321,3 +348,133 @@ class WeightExtension:
         for key in closing:
             comms.pop(key).destroy()
         return {"closed": closing}
+
+    # -- ipc_direct (GPU) ------------------------------------------------------------------------
+
+    def _rolloutpool_ipc_source(self, handle: str) -> tuple[Any, str]:
+        """The staging buffer ``handle`` (JSON :class:`~pool.ipc_handles.IpcHandle`) names,
+        opened once and kept: ``(buffer, "")``, or ``(None, why)`` where its GPU cannot be
+        reached from this worker's or the handle cannot be opened (nothing was written)."""
+        opened: dict[Any, Any] | None = getattr(self, "_rolloutpool_ipc_opened", None)
+        if opened is None:
+            opened = {}
+            self._rolloutpool_ipc_opened = opened
+        try:
+            h = IpcHandle.from_json(json.loads(handle))
+        except ValueError as e:
+            return None, str(e)
+        if h.key not in opened:
+            buffer, why = _open_ipc(h)
+            if buffer is None:
+                return None, why
+            opened[h.key] = buffer
+        return opened[h.key], ""
+
+    def rolloutpool_ipc_check(self, buffer: str, tag: str) -> dict[str, Any]:
+        """Read-only: can this worker reach the staging buffer ``buffer`` (JSON handle) and
+        does it hold the copy ``tag`` (JSON int)? ``{"ok": true, "device", "peer"}`` or
+        ``{"ok": false, "refused": why}``. Opens (and keeps) the handle."""
+        src, why = self._rolloutpool_ipc_source(buffer)
+        if src is None:
+            return {"ok": False, "refused": why}
+        got, want = read_tag(src), int(json.loads(tag))
+        if got != want:
+            return {"ok": False, "refused": f"the staging buffer holds copy {got}, not {want}"}
+        peer = src.device.type == "cuda" and src.device.index != _torch().cuda.current_device()
+        return {"ok": True, "device": str(src.device), "peer": bool(peer)}
+
+    def rolloutpool_ipc_copy(
+        self, buffer: str, entries: str, tag: str, checksums: str = "true"
+    ) -> dict[str, Any]:
+        """Copy the staged copy ``tag`` (JSON int) of ``buffer`` (JSON handle) into the runtime
+        parameters: ``entries`` is a JSON list of :class:`~pool.ipc_handles.Entry` (checkpoint
+        names; TP > 1: each rank copies its slice of the full staged tensor).
+
+        Refusals happen before anything is written and are *answered*, not raised:
+        ``{"refused": why}`` for a name with no runtime view of that dtype and full shape, an
+        unreachable or unopenable buffer, or a buffer that no longer holds ``tag``. Once the
+        copies began, a failure raises (the weights are partly written), and so does a buffer
+        whose tag changed by the end of the copy (rewritten meanwhile: torn). ``checksums``
+        (JSON ``true``): the :mod:`pool.checksum` checksums of every piece copied, computed
+        over the runtime views after the copies, under ``"checksums"`` (TP > 1:
+        ``"<name>@tp<rank>"``).
+
+        The plan (:class:`pool.ipc_copy.Prepared`: names resolved, views built, the checksum
+        batch) is kept per ``(buffer, entries, rank)`` and reused while every runtime parameter
+        is still at the address it had when the plan was made (else, and after
+        :meth:`rolloutpool_ipc_close`, it is made again, refusals included). Timings: ``plan_s``
+        (``plan_cached``), :meth:`~pool.ipc_copy.Prepared.run`'s, and ``worker_s`` (the whole
+        call in this worker)."""
+        t0 = time.perf_counter()
+        rank, size = self._rolloutpool_tp(sharded_ok=True)
+        cache = self._rolloutpool_ipc_plans()
+        where = _addresses(self._rolloutpool_model())
+        key = (buffer, entries, rank, size)
+        hit = cache.get(key)
+        if hit is not None and hit[0] != where:
+            cache.clear()  # the parameters moved: every plan points at old storage
+            hit = None
+        if hit is None or self._rolloutpool_ipc_source(buffer)[0] is not hit[1].buffer:
+            made = self._rolloutpool_ipc_plan(buffer, entries, rank, size)
+            if isinstance(made, str):
+                return {"refused": made, "tp_rank": rank}
+            cache.pop(key, None)
+            while len(cache) >= _IPC_PLANS:
+                cache.pop(next(iter(cache)))
+            cache[key] = (where, made)
+            prepared, cached = made, False
+        else:
+            prepared, cached = hit[1], True
+        plan_s = time.perf_counter() - t0
+        want = int(json.loads(tag))
+        if read_tag(prepared.buffer) != want:
+            return {"refused": f"the staging buffer no longer holds copy {want}", "tp_rank": rank}
+        out = prepared.run(checksums=bool(json.loads(checksums)))
+        if read_tag(prepared.buffer) != want:
+            raise RuntimeError(f"the staging buffer changed during the copy of {want}: torn")
+        out.update(
+            received=len(prepared.named),
+            tp_rank=rank,
+            plan_s=plan_s,
+            plan_cached=cached,
+            worker_s=time.perf_counter() - t0,
+        )
+        return out
+
+    def _rolloutpool_ipc_plans(self) -> dict[Any, tuple[tuple[int, ...], Prepared]]:
+        plans: dict[Any, tuple[tuple[int, ...], Prepared]] | None = getattr(
+            self, "_rolloutpool_ipc_kept", None
+        )
+        if plans is None:
+            plans = {}
+            self._rolloutpool_ipc_kept = plans
+        return plans
+
+    def _rolloutpool_ipc_plan(
+        self, buffer: str, entries: str, rank: int, size: int
+    ) -> Prepared | str:
+        """A new plan for :meth:`rolloutpool_ipc_copy`, or why it is refused (read-only)."""
+        ents = [Entry.from_json(e) for e in json.loads(entries)]
+        try:
+            pieces = self._rolloutpool_pieces(
+                [[e.name, e.dtype, list(e.shape)] for e in ents], rank, size
+            )
+        except RuntimeError as e:
+            return str(e)
+        src, why = self._rolloutpool_ipc_source(buffer)
+        if src is None:
+            return why
+        end = max((e.offset + e.nbytes for e in ents), default=0)
+        if end > int(src.numel()):
+            return f"entries end at byte {end}, past the buffer"
+        names = [f"{e.name}@tp{rank}" if size > 1 else e.name for e in ents]
+        return Prepared(src, plan(ents, pieces, names))
+
+    def rolloutpool_ipc_close(self) -> dict[str, Any]:
+        """Drop every staging buffer this worker opened, and the plans that view them (their
+        owners may then free them)."""
+        opened: dict[Any, Any] = getattr(self, "_rolloutpool_ipc_opened", None) or {}
+        n = len(opened)
+        opened.clear()
+        self._rolloutpool_ipc_plans().clear()
+        return {"closed": n}

@@ -39,7 +39,7 @@ def refuse_placeholder(secret: SecretStr | None, what: str) -> SecretStr | None:
 class StoreSettings(BaseSettings):
     """How to reach Redis and how the pool's keys behave.
 
-    Three ways to reach Redis (README "Redis that fails over"):
+    Three ways to reach Redis (docs: operations/failover.md):
 
     * **standalone** (default): ``url`` names the one server;
     * **Sentinel**: ``sentinels`` lists the sentinels (``host:port``; env: comma-separated or a
@@ -73,13 +73,16 @@ class StoreSettings(BaseSettings):
     max_connections: int = Field(default=64, ge=1)
     pool_timeout_s: float = Field(default=5.0, gt=0)
     binding_lease_s: float = Field(default=60.0, gt=0)
-    #: Memory is bounded by design (README "Sizing Redis"): a finished rollout's full record is
+    #: Memory is bounded by design (docs: operations/redis.md): a finished rollout's full record is
     #: kept ``binding_retention_s`` (about 0.5 KB each), the journal keeps its newest
     #: ``journal_maxlen`` entries (two per rollout, about 0.13 KB each) and at most
-    #: ``update_records_max`` update records are kept; per-generation counts are kept for good.
+    #: ``update_records_max`` update records and the newest ``generation_records_max``
+    #: declared generations (with their labels) are kept; per-generation counts are kept for
+    #: good.
     binding_retention_s: float = Field(default=600.0, gt=0)
     journal_maxlen: int = Field(default=100_000, ge=1000)
     update_records_max: int = Field(default=1000, ge=10)
+    generation_records_max: int = Field(default=1000, ge=10)
     updater_lease_s: float = Field(default=15.0, gt=0)
 
     sentinels: Annotated[list[str], NoDecode] = Field(default_factory=list)

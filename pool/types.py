@@ -129,7 +129,10 @@ class BindingState(StrEnum):
 class ReplicaRecord(_Frozen):
     """A replica as the store sees it. ``generation`` is what it serves (None before bootstrap);
     ``process`` is the identity of the server process its last bootstrap proved (see
-    :attr:`pool.engine.EngineMetrics.process`)."""
+    :attr:`pool.engine.EngineMetrics.process`). ``active`` counts its active bindings,
+    ``granted`` the slots live routers hold on it in advance (:mod:`pool.store.grants`): a
+    drain waits for both to be 0. ``grants_aborted``: why routers must cut what runs under
+    their grants on it ('' = nothing to abort)."""
 
     replica_id: str
     url: str
@@ -143,6 +146,13 @@ class ReplicaRecord(_Frozen):
     reason: str = ""
     updated_ms: int = 0
     process: str | None = None
+    granted: int = 0
+    grants_aborted: str = ""
+
+    @property
+    def busy(self) -> int:
+        """What a drain waits for: active bindings plus granted slots."""
+        return self.active + self.granted
 
 
 class Binding(_Frozen):

@@ -13,28 +13,43 @@ GPU replicas sharing one GPU::
 
     replica: {flavor: gpu, cuda_visible_devices: "0", enable_scale_out: false,
               extra_args: [--gpu-memory-utilization, "0.2"]}
+
+:func:`load_config` is how a config is read: every mistake (an unknown key, a key in the wrong
+section or one the pool sets itself, a bad value, here or in the ``ROLLOUTPOOL_*`` environment
+the services read) is refused before anything starts, as a :class:`ConfigError` whose problems
+are one line each, naming the key and where it belongs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from pool.launcher import ReplicaSpec, default_cache_root
 from pool.settings import StoreSettings
 from pool.web import start_server
+from rolloutpool.local.redis import RedisServer
 from router.app import create_app as create_router
 from router.settings import RouterSettings
 from testkit.models import ensure_model
-from testkit.redis_server import RedisServer
 from updater.app import create_app as create_updater_app
 from updater.providers.config import RayConfig
 from updater.settings import ReplicaConfig, UpdaterSettings
@@ -42,15 +57,144 @@ from updater.settings import ReplicaConfig, UpdaterSettings
 Progress = Callable[[str], None]
 
 #: ReplicaSpec fields the pool sets per replica (not overridable through ``PoolConfig.replica``).
-_PER_REPLICA = frozenset({"model", "name", "port", "work_dir"})
+_PER_REPLICA = frozenset({"name", "port", "work_dir"})
+
+#: The sections of a config: the class whose fields each one holds.
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "router": RouterSettings,
+    "updater": UpdaterSettings,
+    "redis": StoreSettings,
+    "replica": ReplicaSpec,
+    "ray": RayConfig,
+}
+#: Fields of a section that the pool sets from a top-level key: section -> field -> that key.
+_FROM_TOP: dict[str, dict[str, str]] = {
+    "router": {
+        "host": "host",
+        "port": "router_port",
+        "admin_token": "admin_token",
+        "api_keys": "api_keys",
+    },
+    "updater": {
+        "host": "host",
+        "port": "updater_port",
+        "admin_token": "admin_token",
+        "replicas": "replicas",
+        "provider": "provider",
+        "ray": "ray",
+    },
+    "redis": {"url": "redis_url", "namespace": "namespace"},
+    "replica": {"model": "model"},
+}
+
+
+class ConfigError(ValueError):
+    """A pool config that cannot run; ``problems`` are one line each, naming the key
+    (``router.api_keys``) and what to do about it."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+def _settable(section: str) -> list[str]:
+    """The keys a config gives under ``section``."""
+    pool_sets = _FROM_TOP.get(section, {}).keys() | (
+        _PER_REPLICA if section == "replica" else set()
+    )
+    return [k for k in _SECTIONS[section].model_fields if k not in pool_sets]
+
+
+def _unknown(dotted: str, known: Sequence[str], places: Sequence[str]) -> str:
+    """The line for an unknown key ``dotted``: where it belongs, else the nearest known key,
+    else the known keys."""
+    key = dotted.rsplit(".", 1)[-1]
+    if places:
+        return f"unknown key {dotted}: it belongs {' or '.join(places)}"
+    close = get_close_matches(key, known, n=2)
+    if close:
+        return f"unknown key {dotted} (did you mean {' or '.join(close)}?)"
+    return f"unknown key {dotted}; the keys there are {', '.join(sorted(known))}"
+
+
+def _places(key: str, besides: str | None) -> list[str]:
+    """Where ``key`` belongs in a config (the top level, ``under router:``, ...), other than
+    the section ``besides`` (None: the top level)."""
+    places = ["at the top level"] if besides is not None and key in PoolConfig.model_fields else []
+    return places + [f"under {s}:" for s in _SECTIONS if s != besides and key in _settable(s)]
+
+
+def _misplaced(section: str, values: Mapping[str, Any]) -> list[str]:
+    """The keys of ``section`` that a config cannot give there."""
+    model = _SECTIONS[section]
+    problems = []
+    for key in values:
+        dotted = f"{section}.{key}"
+        top = _FROM_TOP.get(section, {}).get(key)
+        if top is not None:
+            what = " (the count; launch fields go under replica:)" if top == "replicas" else ""
+            problems.append(
+                f"{dotted} belongs at the top level, as {top}{what}, not under {section}:"
+            )
+        elif section == "replica" and key in _PER_REPLICA:
+            problems.append(f"{dotted} is set by the pool for each replica: leave it out")
+        elif key not in model.model_fields:
+            problems.append(_unknown(dotted, _settable(section), _places(key, section)))
+    return problems
+
+
+def _message(e: ErrorDetails) -> str:
+    return e["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
+def _model_at(loc: Sequence[str]) -> type[BaseModel] | None:
+    """The model the key at ``loc`` (a path of field names from the top level) is a field of."""
+    model: type[BaseModel] = PoolConfig
+    for name in loc:
+        field = model.model_fields.get(name)
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def explain(error: ValidationError) -> list[str]:
+    """The problems of a :class:`PoolConfig` validation, one line each, naming the key."""
+    problems: list[str] = []
+    for e in error.errors():
+        loc = [str(x) for x in e["loc"]]
+        dotted = ".".join(loc)
+        if e["type"] == "pool_config":
+            problems.append(e["msg"])
+        elif e["type"] == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            known = list(model.model_fields) if model is not None else []
+            places = _places(loc[-1], loc[0] if len(loc) == 2 else None) if len(loc) <= 2 else []
+            problems.append(_unknown(dotted, known, places))
+        else:
+            problems.append(f"{dotted}: {_message(e)}" if dotted else _message(e))
+    return problems
+
+
+def _refuse(problems: Sequence[str]) -> None:
+    if problems:
+        raise PydanticCustomError("pool_config", "{problems}", {"problems": "; ".join(problems)})
 
 
 class PoolConfig(BaseModel):
     """``rolloutpool up`` configuration (YAML). ``redis_url`` None and no ``redis.sentinels`` =
     embedded redis-server; ``redis`` holds further :class:`~pool.settings.StoreSettings` fields,
     e.g. ``{sentinels: [h1:26379, h2:26379, h3:26379], sentinel_service: rolloutpool,
-    wait_replicas: 1}`` for a Redis that fails over (README "Redis that fails over")."""
+    wait_replicas: 1}`` for a Redis that fails over (docs: operations/failover.md).
 
+    Unknown keys are refused, here and in the sections; so are section keys the pool sets from
+    a top-level one (``router.api_keys``: give ``api_keys``). The sections' values are checked
+    by :meth:`check_settings` (:func:`load_config` runs it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Redis data, checkpoints, logs; $ROLLOUTPOOL_CACHE unset means .cache beside the package
     workdir: Path = Field(default_factory=lambda: default_cache_root() / "pool")
     fresh: bool = False  # wipe the embedded Redis data and checkpoints of earlier runs first
     redis_url: str | None = None
@@ -75,15 +219,21 @@ class PoolConfig(BaseModel):
     #: sets per replica (``model``, ``name``, ``port``, ``work_dir``).
     replica: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("router", "updater", "redis")
+    @classmethod
+    def _section_keys(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        _refuse(_misplaced(str(info.field_name), v))
+        return v
+
     @field_validator("replica")
     @classmethod
     def _replica_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
-        owned = set(v) & _PER_REPLICA
-        if owned:
-            raise ValueError(f"replica: {sorted(owned)} are set by the pool per replica")
-        # unknown fields and bad values are refused now (ReplicaSpec forbids extras), not when
-        # the pool starts
-        ReplicaSpec(model=Path("/"), **v)
+        _refuse(_misplaced("replica", v))
+        # bad values are refused now, not when the pool starts
+        try:
+            ReplicaSpec(model=Path("/"), **v)
+        except ValidationError as e:
+            _refuse([f"replica.{x}" for x in explain(e)])
         return v
 
     @property
@@ -102,6 +252,73 @@ class PoolConfig(BaseModel):
         if url is not None:
             extra["url"] = url
         return StoreSettings(namespace=self.namespace, **extra)
+
+    def router_settings(self, admin_token: str) -> RouterSettings:
+        """The router's settings (the ``ROLLOUTPOOL_ROUTER_*`` environment below ``router``)."""
+        return RouterSettings(
+            host=self.host,
+            port=self.router_port,
+            admin_token=admin_token,
+            api_keys=self.api_keys,
+            **self.router,
+        )
+
+    def updater_settings(self, admin_token: str, model: Path) -> UpdaterSettings:
+        """The updater's settings, its replicas serving ``model`` (the
+        ``ROLLOUTPOOL_UPDATER_*`` environment below ``updater``)."""
+        return UpdaterSettings(
+            host=self.host,
+            port=self.updater_port,
+            admin_token=admin_token,
+            replicas=self.replica_configs(model),
+            provider=self.provider,
+            ray=self.ray,
+            **self.updater,
+        )
+
+    def check_settings(self) -> None:
+        """Build the router's, the updater's and the store's settings as
+        :meth:`EmbeddedPool.start` does, environment included, so that a bad value is refused
+        before anything starts. Raises :class:`ConfigError` naming each bad key: ``router.x``
+        for a section's, the top-level key for one the pool sets, the environment variable
+        for one that came from there."""
+        token = self.admin_token or secrets.token_urlsafe(18)
+        builds: dict[str, Callable[[], object]] = {
+            "router": lambda: self.router_settings(token),
+            "updater": lambda: self.updater_settings(token, self.model or Path("/model")),
+            "redis": lambda: self.store_settings(
+                "redis://127.0.0.1:6379/0" if self.embedded_redis else None
+            ),
+        }
+        problems: list[str] = []
+        for section, build in builds.items():
+            try:
+                build()
+            except ValidationError as e:
+                problems += [self._where(section, x) for x in e.errors()]
+            except ValueError as e:
+                problems.append(f"{section}: {e}")
+        if problems:
+            raise ConfigError(problems)
+
+    def _where(self, section: str, e: ErrorDetails) -> str:
+        """One line for an error of ``section``'s settings class, naming where the key was."""
+        loc = [str(x) for x in e["loc"]]
+        msg = _message(e)
+        if not loc:
+            return f"{section}: {msg}"
+        dotted = ".".join(loc)
+        given: dict[str, Any] = getattr(self, section)
+        if loc[0] in given:
+            return f"{section}.{dotted}: {msg}"
+        top = _FROM_TOP.get(section, {}).get(loc[0])
+        if top is not None:
+            return f"{top}: {msg}"
+        prefix = str(_SECTIONS[section].model_config.get("env_prefix", ""))
+        name = (prefix + loc[0]).upper()
+        if any(k.upper().startswith(name) for k in os.environ):
+            return f"{name} (from the environment): {msg}"
+        return f"{section}.{dotted}: {msg}"
 
     def replica_configs(self, model: Path) -> list[ReplicaConfig]:
         """The updater's replicas of model ``model``: ``replica-<i>``, CPU ones pinned to core
@@ -137,6 +354,17 @@ class PoolConfig(BaseModel):
                 "replicas run the updater with its own config (python -m updater --config)"
             )
         return name
+
+
+def load_config(data: Mapping[str, Any]) -> PoolConfig:
+    """The config ``data`` holds (a YAML file's mapping), checked whole: raises
+    :class:`ConfigError` with every problem found, one line each."""
+    try:
+        config = PoolConfig.model_validate(dict(data))
+    except ValidationError as e:
+        raise ConfigError(explain(e)) from None
+    config.check_settings()
+    return config
 
 
 def _say(msg: str) -> None:
@@ -177,16 +405,8 @@ class EmbeddedPool:
         else:
             self.model = c.model.resolve()
 
-        replicas = c.replica_configs(self.model)
-        usettings = UpdaterSettings(
-            host=c.host,
-            port=c.updater_port,
-            admin_token=self.admin_token,
-            replicas=replicas,
-            provider=c.provider,
-            ray=c.ray,
-            **c.updater,
-        )
+        usettings = c.updater_settings(self.admin_token, self.model)
+        replicas = usettings.replicas
         where = "as Ray actors" if c.provider == "ray" else "locally"
         flavor = replicas[0].launch.flavor.upper() if replicas[0].launch else "CPU"
         self.say(
@@ -201,13 +421,7 @@ class EmbeddedPool:
         self.say(f"replicas READY on g0 after {time.monotonic() - t0:.0f}s")
         self.updater_url = f"http://{c.host}:{port}"
 
-        rsettings = RouterSettings(
-            host=c.host,
-            port=c.router_port,
-            admin_token=self.admin_token,
-            api_keys=c.api_keys,
-            **c.router,
-        )
+        rsettings = c.router_settings(self.admin_token)
         runner, port = await start_server(
             create_router(rsettings, store_settings), c.host, c.router_port
         )

@@ -14,7 +14,7 @@ import httpx
 
 
 class ExitCode(IntEnum):
-    """What ``rolloutpool`` exits with (the help and the README list them)."""
+    """What ``rolloutpool`` exits with (the help and docs/reference/cli.md list them)."""
 
     OK = 0
     FAILED = 1  # the update failed or was superseded (push); the pool did not start (up)

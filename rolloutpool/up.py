@@ -31,30 +31,64 @@ if TYPE_CHECKING:  # the embedded pool needs testkit and the router: imported wh
     from rolloutpool.embedded import EmbeddedPool, PoolConfig
 
 
+def _duplicate_keys(node: yaml.Node, path: str = "") -> list[str]:
+    """Keys given twice in one mapping of the YAML document ``node`` (YAML keeps the last one
+    silently), with their lines."""
+    problems: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value in node.value:
+            key = str(key_node.value)
+            dotted = f"{path}.{key}" if path else key
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                problems.append(f"{dotted} is given twice (lines {seen[key]} and {line})")
+            else:
+                seen[key] = line
+            problems += _duplicate_keys(value, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            problems += _duplicate_keys(item, f"{path}[{i}]")
+    return problems
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CliError(ExitCode.USAGE, f"cannot read the config {path}: {e}") from e
+    if node is not None and (twice := _duplicate_keys(node)):
+        raise CliError(ExitCode.USAGE, f"invalid config {path}: {'; '.join(twice)}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CliError(ExitCode.USAGE, f"the config {path} is not a mapping of settings")
+    return data
+
+
 def pool_config(
     path: Path | None, overrides: dict[str, Any], ray_address: str | None = None
 ) -> PoolConfig:
     """The YAML file's settings (none: the defaults) with the non-None ``overrides`` on top
-    (``ray_address`` into the ``ray`` section); a file that cannot be read or holds invalid
-    settings is a usage error (exit 2)."""
-    from rolloutpool.embedded import PoolConfig
+    (``ray_address`` into the ``ray`` section), checked whole (:func:`~rolloutpool.embedded.
+    load_config`, the ``ROLLOUTPOOL_*`` environment included); a file that cannot be read, a
+    key given twice, an unknown or misplaced key or a bad value is a usage error (exit 2) of
+    one line naming the file and the key."""
+    from rolloutpool.embedded import ConfigError, load_config
 
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise CliError(ExitCode.USAGE, f"cannot read the config {path}: {e}") from e
-        if not isinstance(data, dict):
-            raise CliError(ExitCode.USAGE, f"the config {path} is not a mapping of settings")
+    data = _read_yaml(path) if path is not None else {}
     data.update({k: v for k, v in overrides.items() if v is not None})
     if ray_address is not None:
-        data.setdefault("ray", {})["address"] = ray_address
+        ray = data.setdefault("ray", {})
+        if isinstance(ray, dict):  # anything else is refused by the validation below
+            ray["address"] = ray_address
     try:
-        return PoolConfig.model_validate(data)
-    except ValidationError as e:
-        errors = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-        raise CliError(ExitCode.USAGE, f"invalid pool config: {errors}") from e
+        return load_config(data)
+    except ConfigError as e:
+        where = f"invalid config {path}" if path is not None else "invalid pool settings"
+        raise CliError(ExitCode.USAGE, f"{where}: {e}") from None
 
 
 def _check_port(port: int, option: str) -> None:

@@ -1,12 +1,16 @@
 """Choosing a replica and admitting a rollout to it.
 
-The store's ADMIT script is the only authority (I1): the router merely *orders* candidates and
-tries ``store.admit`` on each until one accepts. Ordering uses a short-TTL cached view of the
-pool (:class:`ReplicaView`):
+The store's scripts are the only authority (I1): the router merely *orders* candidates and
+tries ``store.admit`` on each until one accepts (sessions, and one-request rollouts with
+``grants`` off), or takes a slot of a grant the ``GRANT`` script gave it (one-request rollouts,
+:meth:`Admitter.admit_granted`, :mod:`router.grants`). Ordering uses the pool view the change
+feed keeps current (:mod:`pool.store.feed`), snapshotted for ``replica_view_ttl_s``
+(:class:`ReplicaView`):
 
 1. candidates are replicas that are ``READY``, whose generation is within ``max_staleness`` of
-   the published one, that meet the client's constraints, that serve the requested model, and
-   that have spare capacity;
+   the published one, that meet the client's constraints, that serve the requested model, that
+   have spare capacity, and that this router has not seen fail to connect several times in a
+   row (:mod:`router.health`: a dead process the store still calls READY);
 2. fewest active bindings first (the view's count for other routers' bindings, this router's
    own live count for its own in-flight requests, its admissions still awaiting the ADMIT
    script, and its session admissions the cached view may not include yet), ties broken by
@@ -17,11 +21,12 @@ pool (:class:`ReplicaView`):
 
 If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries with backoff until
 ``admission_wait_s`` is spent, then raises :class:`~router.errors.NoReplicaAvailable` (503 with
-``Retry-After``). Constraints that cannot be met by the published generation raise
-:class:`GenerationUnsatisfiable` (409) at once, judged on a fresh read of the published
-generation (the cached view may predate a publish). ``StoreUnavailable`` propagates (503, fail
-closed). A session refused by its client's quota (``Terms.quota``, counted by the ADMIT script)
-raises :class:`~router.errors.QuotaExceeded` (429) at once.
+``Retry-After``). Constraints (:mod:`router.constraints`) that cannot be met by the published
+generation raise :class:`~router.constraints.GenerationUnsatisfiable` (409) at once, judged on a
+fresh read of the published generation (the cached view may predate a publish).
+``StoreUnavailable`` propagates (503, fail closed). A session refused by its client's quota
+(``Terms.quota``, counted by the ADMIT script) raises :class:`~router.errors.QuotaExceeded`
+(429) at once.
 
 Failover: nothing is admitted until the router's failover guard has verified an epoch
 (:attr:`Bindings.epoch`; :mod:`router.failover`), and an admission whose ADMIT straddled a new
@@ -44,125 +49,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from pool.errors import AdmissionRefused, NotFound, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Admission, RedisStore, Terms
+from pool.store.feed import PoolWatch
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
-from pool.web import BadRequest, Conflict, validate_strictly
 from router.bindings import Bindings
+from router.constraints import Constraints, GenerationUnsatisfiable, check_satisfiable
 from router.errors import NoReplicaAvailable, QuotaExceeded
+from router.grants import GrantBook, LocalGrant
+from router.health import PassiveHealth
 
-HEADER_MIN_GENERATION = "X-Rollout-Min-Generation"
-HEADER_GENERATION = "X-Rollout-Generation"
 AFFINITY_CHARS = 256
 AFFINITY_TOKENS = 64
-
-
-class GenerationUnsatisfiable(Conflict):
-    code = "generation_unsatisfiable"
-
-
-class Constraints(BaseModel):
-    """What a client demands of the generation: ``min_generation`` and/or exact ``generation``.
-
-    Also the body of ``POST /v1/rollouts`` and of the optional ``rollout`` request field.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    min_generation: int | None = Field(default=None, ge=0)
-    generation: int | None = Field(default=None, ge=0)
-
-    @classmethod
-    def parse(cls, raw: Any, where: str, *, strict: bool = True) -> Constraints:
-        """Validate ``raw``; strictly by default (a JSON ``false`` is not generation 0).
-
-        Raises :class:`BadRequest` (400 ``invalid_constraints``).
-        """
-        try:
-            return validate_strictly(cls, raw) if strict else cls.model_validate(raw)
-        except ValidationError as e:
-            errors = [f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()]
-            raise BadRequest(
-                f"invalid {where}: {'; '.join(errors)}", code="invalid_constraints"
-            ) from e
-
-    @classmethod
-    def from_headers(cls, headers: Mapping[str, str]) -> Constraints:
-        raw: dict[str, str] = {}
-        for header, name in (
-            (HEADER_MIN_GENERATION, "min_generation"),
-            (HEADER_GENERATION, "generation"),
-        ):
-            if header in headers:
-                raw[name] = headers[header].strip()
-        return cls.parse(raw, "X-Rollout-* headers", strict=False) if raw else cls()
-
-    def merge(self, other: Constraints) -> Constraints:
-        """Both sources together; contradicting exact generations are unsatisfiable (409)."""
-        if (
-            self.generation is not None
-            and other.generation is not None
-            and self.generation != other.generation
-        ):
-            raise GenerationUnsatisfiable(
-                f"conflicting exact generations {self.generation} and {other.generation}",
-                requested=[self.generation, other.generation],
-            )
-        mins = [m for m in (self.min_generation, other.min_generation) if m is not None]
-        return Constraints(
-            min_generation=max(mins) if mins else None,
-            generation=self.generation if self.generation is not None else other.generation,
-        )
-
-    def allows(self, generation: int) -> bool:
-        if self.min_generation is not None and generation < self.min_generation:
-            return False
-        return self.generation is None or generation == self.generation
-
-
-def check_satisfiable(
-    latest: Generation | None, constraints: Constraints, max_staleness: int
-) -> None:
-    """Raise :class:`GenerationUnsatisfiable` if no admissible generation meets the constraints.
-
-    Admissible = ``[latest - max_staleness, latest]``. Before the first publish nothing is
-    decided here (the caller waits for a replica like any other shortage).
-    """
-    if latest is None:
-        return
-    low, high = latest.number - max_staleness, latest.number
-    g, m = constraints.generation, constraints.min_generation
-    ctx: dict[str, Any] = {
-        "latest": high,
-        "oldest_admissible": low,
-        "max_staleness": max_staleness,
-    }
-    if g is not None and g > high:
-        raise GenerationUnsatisfiable(
-            f"generation {g} is newer than the latest published generation {high}",
-            requested=g,
-            **ctx,
-        )
-    if g is not None and g < low:
-        raise GenerationUnsatisfiable(
-            f"generation {g} is older than the oldest admissible generation {low} "
-            f"(latest {high}, max_staleness {max_staleness})",
-            requested=g,
-            **ctx,
-        )
-    if m is not None and m > high:
-        raise GenerationUnsatisfiable(
-            f"min_generation {m} is newer than the latest published generation {high}",
-            requested_min=m,
-            **ctx,
-        )
-    if g is not None and m is not None and g < m:
-        raise GenerationUnsatisfiable(
-            f"generation {g} contradicts min_generation {m}", requested=g, requested_min=m, **ctx
-        )
 
 
 def affinity_key(body: Mapping[str, Any]) -> bytes:
@@ -239,9 +138,13 @@ class ReplicaView:
       once a read that began after them replaces the snapshot.
     """
 
-    def __init__(self, store: RedisStore, ttl_s: float) -> None:
+    def __init__(self, store: RedisStore, ttl_s: float, watch: PoolWatch | None = None) -> None:
         self.store = store
         self.ttl_s = ttl_s
+        #: the change feed's view (:mod:`pool.store.feed`); without one, every refresh reads
+        self.watch = watch
+        #: this router's evidence that a replica answers (:mod:`router.health`)
+        self.health = PassiveHealth()
         self._snap: PoolSnapshot | None = None
         self._refresh: asyncio.Future[PoolSnapshot] | None = None
         self.own: Counter[str] = Counter()
@@ -254,7 +157,7 @@ class ReplicaView:
         if not fresh and snap is not None and time.monotonic() - snap.taken < self.ttl_s:
             return snap
         if self._refresh is None:
-            self._refresh = asyncio.ensure_future(self._load())
+            self._refresh = asyncio.ensure_future(self._load(fresh))
             self._refresh.add_done_callback(self._refreshed)
         return await asyncio.shield(self._refresh)
 
@@ -264,10 +167,18 @@ class ReplicaView:
             snap = self._snap = fut.result()
             self._sessions = [(e, rid) for e, rid in self._sessions if e >= snap.epoch]
 
-    async def _load(self) -> PoolSnapshot:
+    async def _load(self, fresh: bool) -> PoolSnapshot:
+        """The pool as the change feed has it (read in full first when ``fresh`` or before the
+        feed's first read), or, with no feed, as read now."""
         own = dict(self.own)
         self._epoch += 1
         epoch = self._epoch
+        w = self.watch
+        if w is not None:
+            if fresh or w.read_at is None:
+                await w.full()
+            recs = tuple(w.records[k] for k in sorted(w.records))
+            return PoolSnapshot(recs, w.latest, time.monotonic(), own, epoch)
         replicas, latest = await asyncio.gather(self.store.replicas(), self.store.latest())
         latest_gen = latest[0] if latest else None
         return PoolSnapshot(tuple(replicas), latest_gen, time.monotonic(), own, epoch)
@@ -282,11 +193,14 @@ class ReplicaView:
         unseen = sum(1 for e, x in self._sessions if x == rid and e >= snap.epoch)
         return others + self.own[rid] + self._pending[rid] + unseen
 
-    def started(self, replica_id: str) -> None:
-        self.own[replica_id] += 1
+    def started(self, replica_id: str, slots: int = 1) -> None:
+        """Count a request of this router's on ``replica_id``, as the ``slots`` it holds."""
+        self.own[replica_id] += slots
 
-    def finished(self, replica_id: str) -> None:
-        _decrement(self.own, replica_id)
+    def finished(self, replica_id: str, slots: int = 1) -> None:
+        self.own[replica_id] -= slots
+        if self.own[replica_id] <= 0:
+            del self.own[replica_id]
 
     def reserve(self, replica_id: str) -> None:
         """Count a choice whose ADMIT is in flight (call before awaiting it)."""
@@ -307,8 +221,10 @@ def candidates(
     max_staleness: int,
     key: bytes,
     accept: Callable[[ReplicaRecord], bool] | None = None,
+    slots: int = 1,
 ) -> list[ReplicaRecord]:
-    """Eligible replicas in admission order (pure given the snapshot and live counts)."""
+    """Eligible replicas (with room for ``slots`` more) in admission order (pure given the
+    snapshot and live counts)."""
     if snap.latest is None:
         return []
     low = snap.latest.number - max_staleness
@@ -319,8 +235,9 @@ def candidates(
         and r.generation is not None
         and r.generation >= low
         and constraints.allows(r.generation)
-        and view.load(snap, r) < r.capacity
+        and view.load(snap, r) + slots <= r.capacity
         and (accept is None or accept(r))
+        and view.health.admits(r.url)
     ]
     if key:
         tie = {r.replica_id: rendezvous(key, r.replica_id) for r in eligible}
@@ -334,6 +251,7 @@ class Admitted:
     admission: Admission
     replica: ReplicaRecord
     epoch: int | None = None  # the failover epoch the ADMIT was sent in
+    grant: LocalGrant | None = None  # admitted against this router's grant (no binding)
 
 
 class Admitter:
@@ -349,7 +267,9 @@ class Admitter:
         max_staleness: int,
         wait_s: float,
         retry_after_s: int,
+        grants: GrantBook | None = None,
     ) -> None:
+        self.grants = grants
         self.store = store
         self.view = view
         self.bindings = bindings
@@ -422,6 +342,72 @@ class Admitter:
             self.metrics.refusals.labels("client_sessions").inc()
             raise
 
+    async def admit_granted(
+        self,
+        rollout_id: str,
+        constraints: Constraints,
+        key: bytes,
+        *,
+        accept: Callable[[ReplicaRecord], bool] | None = None,
+        slots: int = 1,
+    ) -> Admitted:
+        """Admit a one-request rollout that asks for ``slots`` sequences against this router's
+        grants (:mod:`router.grants`): the best candidate with that many free slots, with no
+        I/O; if none has them, grow a grant (one round trip) and try again, up to ``wait_s``
+        like :meth:`admit`."""
+        book = self.grants
+        assert book is not None
+        t0 = time.monotonic()
+        deadline = t0 + self.wait_s
+        backoff = 0.01
+        refusals: dict[str, str] = {}
+        fresh = False
+        try:
+            while True:
+                snap = await self.view.get(fresh=fresh)
+                await self._satisfiable(snap, constraints)
+                order = candidates(
+                    self.view, snap, constraints, self.max_staleness, key, accept, slots
+                )
+                if book.live():
+                    for r in order:
+                        lg = book.take(r.replica_id, r.generation or 0, slots)
+                        if lg is not None:
+                            return self._granted(rollout_id, r, lg, t0)
+                    for r in order:
+                        self.metrics.path_round_trips.labels("grant").inc()
+                        try:
+                            await book.grow(r.replica_id, slots)
+                        except AdmissionRefused as e:
+                            refusals[r.replica_id] = e.reason
+                            continue
+                        lg = book.take(r.replica_id, r.generation or 0, slots)
+                        if lg is not None:
+                            return self._granted(rollout_id, r, lg, t0)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._unavailable(snap, constraints, refusals)
+                await asyncio.sleep(min(backoff, remaining))
+                backoff = min(backoff * 2, 0.25)
+                fresh = True
+        except GenerationUnsatisfiable:
+            self.metrics.refusals.labels("generation_unsatisfiable").inc()
+            raise
+        except NoReplicaAvailable:
+            self.metrics.refusals.labels("no_replica_available").inc()
+            raise
+        except StoreUnavailable:
+            self.metrics.refusals.labels("store_unavailable").inc()
+            raise
+
+    def _granted(self, rollout_id: str, r: ReplicaRecord, lg: LocalGrant, t0: float) -> Admitted:
+        g = lg.grant
+        now_ms = int(time.time() * 1000)
+        adm = Admission(rollout_id, r.replica_id, g.generation, g.label, g.identity_digest, now_ms)
+        self.metrics.admissions.labels(r.replica_id).inc()
+        self.metrics.admission_latency.observe(time.monotonic() - t0)
+        return Admitted(adm, r, self.bindings.epoch, lg)
+
     def _over_quota(self, terms: Terms) -> QuotaExceeded:
         return QuotaExceeded(
             f"client {terms.quota_key} has {terms.quota} open sessions, its limit "
@@ -450,6 +436,8 @@ class Admitter:
         lease_s: float,
         terms: Terms,
     ) -> Admission:
+        if not session:
+            self.metrics.path_round_trips.labels("admit").inc()
         task = asyncio.ensure_future(
             self.store.admit(
                 rollout_id,
@@ -493,7 +481,7 @@ class Admitter:
         self, snap: PoolSnapshot, c: Constraints, refusals: Mapping[str, str]
     ) -> NoReplicaAvailable:
         states = {r.replica_id: str(r.state) for r in snap.replicas}
-        if self.bindings.epoch is None:
+        if self.bindings.epoch is None or (self.grants is not None and not self.grants.live()):
             why = "this router has not verified the failover epoch yet (Redis unreachable?)"
         elif snap.latest is None:
             why = "no generation has been published yet"

@@ -3,10 +3,12 @@
 ``create_app(settings, store_settings)`` does no I/O; the resources are set up when the app
 starts and torn down in reverse order when it stops:
 
-1. **store** — the :class:`~pool.store.RedisStore` client, the cached :class:`ReplicaView`, the
-   :class:`Bindings` owner and the :class:`Admitter`. The router starts even if Redis is down
-   (``/healthz`` says 503, admissions fail closed). Teardown waits up to 5 s for pending
-   releases before closing the client.
+1. **store** — the :class:`~pool.store.RedisStore` client, the pool view the change feed keeps
+   (:class:`~pool.store.feed.PoolWatch`) and its :class:`ReplicaView`, the :class:`Bindings`
+   owner, this router's grants (:class:`~router.grants.GrantBook`), the provenance
+   :class:`~router.records.Recorder` and the :class:`Admitter`. The router starts even if
+   Redis is down (``/healthz`` says 503, admissions fail closed). Teardown waits up to 5 s
+   for pending releases before closing the client.
 2. **upstream** — one pooled :class:`aiohttp.ClientSession` for every replica, and the
    :class:`ReplicaCatalog` of their model ids.
 3. **background** — the reaper, calling ``store.reap_expired()`` every ``reaper_interval_s``:
@@ -15,7 +17,10 @@ starts and torn down in reverse order when it stops:
    retried next tick); the lease renewer of this router's in-flight requests
    (:meth:`Bindings.renew_forever`, ticking every sixth of the shortest lease, at most 1 s);
    and the :class:`~router.failover.FailoverGuard` (verifies in-flight bindings in every new
-   failover epoch, reports to the updater; the router admits only once it has run).
+   failover epoch, reports to the updater; the router admits only once it has run); the change
+   feed (:meth:`PoolWatch.run`); the recorder's flush loop; with ``grants``, the grant keeper
+   (:meth:`GrantBook.keep`). On teardown the grants are returned (best effort: otherwise they
+   lapse with the router's registration) and the last records flushed.
 
 Middlewares, outermost first: JSON errors (the HTTP kit's, :mod:`pool.web.errors`), request
 timing (``rolloutpool_request_seconds``), auth (:mod:`router.auth`), optional rate limit. Only
@@ -44,6 +49,7 @@ from pool.errors import StoreError
 from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore
+from pool.store.feed import PoolWatch
 from pool.web import (
     error_middleware,
     healthz_handler,
@@ -56,22 +62,29 @@ from router.admission import Admitter, ReplicaView
 from router.auth import rate_limit_middleware, router_auth
 from router.bindings import Bindings
 from router.failover import FailoverGuard
+from router.grants import GrantBook
 from router.keys import (
     ADMITTER,
     BINDINGS,
     CATALOG,
+    GRANTS,
     GUARD,
     HTTP,
     IN_FLIGHT,
     METRICS,
     POOL_GAUGES,
     REAPER,
+    RECORDER,
     REGISTRY,
+    RUNS,
     SETTINGS,
     STORE,
     VIEW,
+    WATCH,
 )
 from router.limits import InFlight
+from router.records import Recorder
+from router.session_runs import SessionRuns
 from router.settings import RouterSettings
 from router.upstream import ReplicaCatalog, client_session
 
@@ -98,10 +111,34 @@ def _store_ctx(
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         settings, metrics = app[SETTINGS], app[METRICS]
         store = RedisStore.connect(store_settings)
-        view = ReplicaView(store, settings.replica_view_ttl_s)
         bindings = Bindings(store, metrics)
-        app[STORE], app[VIEW], app[BINDINGS] = store, view, bindings
-        app[GUARD] = FailoverGuard(store, bindings, metrics)
+        guard = FailoverGuard(store, bindings, metrics)
+        book = GrantBook(
+            store,
+            guard.router_id,
+            slots=settings.grant_slots,
+            max_staleness=settings.max_staleness,
+            grace_s=store_settings.failover_grace_s,
+        )
+        view = ReplicaView(store, settings.replica_view_ttl_s)
+
+        def changed(ids: set[str]) -> None:
+            view.invalidate()
+            book.on_view(watch.records, watch.latest)
+
+        watch = PoolWatch(store, on_change=changed)
+        view.watch = watch
+        guard.attach(watch, book if settings.grants else None)
+        app[STORE], app[VIEW], app[BINDINGS], app[GUARD] = store, view, bindings, guard
+        app[WATCH], app[GRANTS] = watch, book
+        app[RUNS] = SessionRuns(
+            store,
+            bindings,
+            limit=settings.session_max_in_flight,
+            lease_s=settings.request_lease_s,
+            retry_after_s=settings.retry_after_s,
+        )
+        app[RECORDER] = Recorder(store, bindings, metrics, flush_s=settings.record_flush_s)
         app[ADMITTER] = Admitter(
             store,
             view,
@@ -110,6 +147,7 @@ def _store_ctx(
             max_staleness=settings.max_staleness,
             wait_s=settings.admission_wait_s,
             retry_after_s=settings.retry_after_s,
+            grants=book,
         )
         yield
         await bindings.close()
@@ -151,10 +189,15 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
         loop.create_task(_reap_forever(app[STORE], settings.reaper_interval_s, stop)),
         loop.create_task(app[BINDINGS].renew_forever(tick_s, stop)),
         loop.create_task(app[GUARD].run(stop)),
+        loop.create_task(app[WATCH].run(stop)),
+        loop.create_task(app[RECORDER].run(stop)),
     ]
+    if settings.grants:
+        tasks.append(loop.create_task(app[GRANTS].keep(stop)))
     app[REAPER] = tasks[0]
     yield
     stop.set()
+    await app[GRANTS].close()
     _, pending = await asyncio.wait(tasks, timeout=10)
     for task in pending:
         task.cancel()

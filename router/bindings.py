@@ -167,6 +167,18 @@ class Held:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
+def cut_tasks(held: Held, reason: str) -> int:
+    """Mark ``held`` cut (the first reason stays) and cancel its request tasks, except those
+    that have begun settling. Returns how many were cancelled."""
+    held.cut = held.cut or reason
+    n = 0
+    for task in list(held.tasks):
+        if task not in _SETTLING and not task.done():
+            task.cancel(f"binding cut: {reason}")
+            n += 1
+    return n
+
+
 class Bindings:
     def __init__(self, store: RedisStore, metrics: RouterMetrics) -> None:
         self.store = store
@@ -250,15 +262,10 @@ class Bindings:
         self, rollout_id: str, state: BindingState, reason: str, prompt: int, completion: int
     ) -> None:
         held = self._leases.get(rollout_id)
-        now = time.monotonic()
-        while self.recent:
-            oldest = next(iter(self.recent))
-            if now - self.recent[oldest].at < RECENT_S:
-                break
-            del self.recent[oldest]
         if held is not None and held.info is not None:
-            self.recent[rollout_id] = Ended(
-                held.info, held.session, state, reason, prompt, completion, now
+            self.remember(
+                rollout_id,
+                Ended(held.info, held.session, state, reason, prompt, completion, time.monotonic()),
             )
 
     async def _record_missing(self, rollout_id: str) -> None:
@@ -335,15 +342,20 @@ class Bindings:
         entry = self._leases.get(rollout_id)
         if entry is None:
             return 0
-        entry.cut = entry.cut or reason
-        n = 0
-        for task in list(entry.tasks):
-            if task not in _SETTLING and not task.done():
-                task.cancel(f"binding cut: {reason}")
-                n += 1
+        n = cut_tasks(entry, reason)
         if n:
             log.warning("rollout %s: %d request(s) cut: %s", rollout_id, n, reason)
         return n
+
+    def remember(self, rollout_id: str, ended: Ended) -> None:
+        """Keep a rollout this router ended for :data:`RECENT_S` (a record written after the
+        fact, :mod:`router.records`), so the failover guard can write it again if lost."""
+        while self.recent:
+            oldest = next(iter(self.recent))
+            if ended.at - self.recent[oldest].at < RECENT_S:
+                break
+            del self.recent[oldest]
+        self.recent[rollout_id] = ended
 
     async def renew_forever(self, tick_s: float, stop: asyncio.Event) -> None:
         """Renew due leases every ``tick_s`` until ``stop`` is set (a flag, not cancellation).

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from pool.errors import StoreError
 from pool.records import ReplicaReport, UpdateRecord
-from pool.web import json_response
+from pool.web import json_response, public_reason
 from router.keys import SETTINGS, STORE
 
 UPDATES = 10
@@ -71,7 +71,7 @@ async def _read(request: web.Request) -> dict[str, Any]:
                 "generation": r.generation,
                 "active": r.active,
                 "capacity": r.capacity,
-                "reason": r.reason,
+                "reason": public_reason(r.reason),
             }
             for r in replicas
         ],

@@ -1,4 +1,4 @@
-"""What a router does about Redis failing over (README "Redis that fails over").
+"""What a router does about Redis failing over (docs: operations/failover.md).
 
 Replication is asynchronous, so a failover can lose an ADMIT the old primary acknowledged: the
 binding is gone while its request runs, the updater sees one binding fewer and could drain the
@@ -28,6 +28,13 @@ sentinels unreachable) cuts every running request itself: the updater stops wait
 once its heartbeat expires, and nothing may then keep running on a binding nobody can prove.
 Until its first heartbeat the router admits nothing (:attr:`Bindings.epoch` is None).
 
+With grants (:mod:`router.grants`), step 2 also reads this router's grants at the epoch's
+primary: one a failover lost is dropped and what runs under it cut. The grants live on the
+registration step 3 renews; the time each heartbeat was sent is what
+:meth:`~router.grants.GrantBook.live` measures, and self-fencing forgets every grant. Each
+heartbeat also returns the pool view's version, which the change feed checks itself against
+(:meth:`pool.store.feed.PoolWatch.check`).
+
 The guard stops on a flag, never by cancellation (see :mod:`router.bindings`).
 """
 
@@ -46,9 +53,11 @@ from aiohttp import web
 from pool.errors import StoreError, StoreUnavailable
 from pool.metrics import RouterMetrics
 from pool.store import Epoch, RedisStore
+from pool.store.feed import PoolWatch
 from pool.web import dumps
 from router.bindings import Bindings, Ended, Held
 from router.errors import BindingEnded
+from router.grants import GrantBook
 
 log = logging.getLogger("router")
 
@@ -72,6 +81,13 @@ class FailoverGuard:
         self.lost = 0  # bindings found lost (no record at the new primary)
         self.cut = 0  # requests cut because their binding was not active
         self.restored = 0  # ended bindings whose end or record a failover lost, written again
+        self.watch: PoolWatch | None = None
+        self.grants: GrantBook | None = None
+
+    def attach(self, watch: PoolWatch, grants: GrantBook | None) -> None:
+        """The pool view to tell the version each heartbeat returns (the change feed's safety
+        net), and the grants that live on this router's registration (None: grants off)."""
+        self.watch, self.grants = watch, grants
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until ``stop`` is set, then deregister (best effort)."""
@@ -83,22 +99,35 @@ class FailoverGuard:
             await self.store.failover.heartbeat(self.router_id, None, self.grace_s)
 
     async def tick(self) -> None:
-        """One round: prove, cut, heartbeat; self-fence when rounds keep failing."""
+        """One round: prove, cut, heartbeat; self-fence when rounds keep failing. A round is
+        bounded by a quarter of ``failover_grace_s``: a Redis that stops answering (a frozen
+        primary: its sockets stay open) must not hold the round past the point where this
+        router's registration expires before it has cut its own requests."""
+        limit = self.grace_s / 4
         try:
-            epoch = await self.store.failover.epoch()
-            if not await self.verify(epoch):
-                raise StoreUnavailable(f"failover to epoch {epoch.number} still under way")
-            await self.store.failover.heartbeat(self.router_id, epoch.number, self.grace_s)
-        except StoreError as e:
+            async with asyncio.timeout(limit):
+                epoch = await self.store.failover.epoch()
+                if not await self.verify(epoch):
+                    raise StoreUnavailable(f"failover to epoch {epoch.number} still under way")
+                sent = time.monotonic()
+                beat = await self.store.failover.heartbeat(
+                    self.router_id, epoch.number, self.grace_s
+                )
+        except (StoreError, TimeoutError) as e:
             silent = time.monotonic() - self.last_ok
             if silent >= self.grace_s / 2:
                 self.fence(f"this router could not reach Redis for {silent:.1f} s")
-            log.warning("failover guard: %s", e.message)
+            why = e.message if isinstance(e, StoreError) else f"no answer within {limit:g} s"
+            log.warning("failover guard: %s", why)
             return
         if self.bindings.epoch != epoch.number:
             log.warning("failover epoch %s verified (primary %s)", epoch.number, epoch.primary)
         self.bindings.epoch = epoch.number
         self.last_ok = time.monotonic()
+        if self.grants is not None:
+            self.cut += self.grants.registered(epoch.number, sent)
+        if self.watch is not None:
+            self.watch.check(beat.version)
 
     async def verify(self, epoch: Epoch) -> bool:
         """Cut the running requests whose binding is not active at the epoch's primary, among
@@ -108,7 +137,7 @@ class FailoverGuard:
         unproven = {rid: h for rid, h in self.bindings.held().items() if h.epoch != epoch.number}
         ended = dict(self.bindings.recent) if self.bindings.epoch != epoch.number else {}
         missing = await self.store.failover.prove(epoch, [*unproven, *ended])
-        if missing is None:
+        if missing is None or not await self._verify_grants(epoch):
             return False
         for rid, held in unproven.items():
             state = missing.get(rid)
@@ -124,6 +153,26 @@ class FailoverGuard:
         for rid, end in ended.items():
             if rid in missing and rid not in unproven:
                 await self._restore(rid, end, missing[rid])
+        return True
+
+    async def _verify_grants(self, epoch: Epoch) -> bool:
+        """Every grant not yet proven in ``epoch`` is read at its primary; one it does not hold
+        (a failover lost it) is dropped and what runs under it cut. False: nothing proven."""
+        book = self.grants
+        if book is None:
+            return True
+        unproven = {rid: lg for rid, lg in book.grants.items() if lg.epoch != epoch.number}
+        if not unproven:
+            return True
+        held = await self.store.grants.prove(epoch, self.router_id, unproven)
+        if held is None:
+            return False
+        for rid, lg in unproven.items():
+            if held[rid] > 0:
+                lg.epoch = epoch.number
+            elif book.grants.get(rid) is lg:
+                why = f"its grant was lost in a Redis failover (epoch {epoch.number})"
+                self.cut += book.drop(rid, why)
         return True
 
     async def _restore(self, rollout_id: str, end: Ended, state: str) -> None:
@@ -163,9 +212,11 @@ class FailoverGuard:
             self.lost += 1
 
     def fence(self, why: str) -> None:
-        """Cut every running request (its binding cannot be proven any more)."""
+        """Cut every running request (its binding or grant cannot be proven any more)."""
         for rid in self.bindings.held():
             self.cut += self.bindings.cut(rid, f"{why}; its binding cannot be proven")
+        if self.grants is not None:
+            self.cut += self.grants.fence(f"{why}; its grant cannot be proven")
 
 
 async def cuttable(

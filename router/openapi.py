@@ -1,8 +1,10 @@
 """The router's OpenAPI 3.1 document (served at ``/openapi.json``).
 
 The inference routes take vLLM's OpenAI-compatible bodies (documented as open objects with the
-fields the router itself reads: the replica validates the rest, and its 4xx answers are passed
-through as ``ReplicaError``); the router's own bodies come from its pydantic models.
+fields the router itself reads and exactly the ones vLLM requires: ``prompt``, ``messages``,
+``token_ids`` + ``sampling_params``; ``model`` is optional, the served model by default; the
+replica validates the rest, and its 4xx answers are passed through as ``ReplicaError``); the
+router's own bodies come from its pydantic models.
 ``tests/unit/test_router_openapi.py`` keeps the document in sync with the route table.
 Documented server errors: 502 (upstream failed or a provenance violation), 503 (no admissible
 replica, or Redis unreachable — admission fails closed), 504 (upstream timeout). A 500 is a bug.
@@ -14,11 +16,12 @@ from typing import Any
 
 from pool.web import openapi as kit
 from pool.web.openapi import ADMIN, PUBLIC, error_responses, json_content, model_schemas, ref
-from router.admission import Constraints
+from router.constraints import Constraints
 from router.status import TaintRequest
 
 _TEXT = {
-    400: "bad JSON or body",
+    400: "bad JSON or body, or more sequences (n, best_of, a prompt array) than the request can "
+    "be charged for (one_sequence_per_request, too_many_sequences)",
     401: "missing or wrong client key",
     403: "admin only",
     404: "unknown route, model or rollout",
@@ -126,8 +129,50 @@ def _errors(*codes: int) -> dict[str, Any]:
     return error_responses(_TEXT, *codes)
 
 
+#: Fields vLLM requires (or reads with a type) beyond the router's own, per route.
+MESSAGES = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["role"],
+        "properties": {"role": {"type": "string"}, "content": {}},
+    },
+}
+TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+SAMPLING_PARAMS = {
+    "type": "object",
+    "description": "vLLM's SamplingParams (max_tokens, temperature, ...); required by vLLM; "
+    "`n` and `best_of` are read as for /v1/completions",
+    "additionalProperties": True,
+}
+#: What the router reads to count a request's sequences (router.limits.sequences): each is
+#: one slot of its replica under a grant; a session's request may ask for one only.
+SEQUENCES = {
+    "n": {
+        "type": "integer",
+        "minimum": 1,
+        "description": "sequences per prompt (default 1); more than one is charged one slot "
+        "each, and refused (400 one_sequence_per_request) on a session's request or with "
+        "grants off",
+    },
+    "best_of": {
+        "type": "integer",
+        "minimum": 1,
+        "description": "sequences generated per prompt when larger than `n`; charged as `n`",
+    },
+}
+PROMPT = {
+    "description": "a string or a token-id list (one prompt), or an array of either: that "
+    "many prompts, charged as `n` each"
+}
+
+
 def _inference(
-    op: str, required: list[str], example: dict[str, Any], client: Security
+    op: str,
+    required: list[str],
+    example: dict[str, Any],
+    client: Security,
+    fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body = {
         "type": "object",
@@ -137,6 +182,7 @@ def _inference(
             "model": {"type": "string"},
             "stream": {"type": "boolean"},
             "rollout": ref("Constraints"),
+            **(fields or {}),
         },
     }
     either = {"anyOf": [ref("Error"), ref("ReplicaError")]}
@@ -201,21 +247,24 @@ def document(*, client_keys: bool = False, model: str = "rolloutpool") -> dict[s
     paths: dict[str, Any] = {
         "/v1/completions": _inference(
             "completions",
-            ["model", "prompt"],
+            ["prompt"],
             {"model": model, "prompt": "Once upon a time", **short},
             client,
+            {"prompt": PROMPT, **SEQUENCES},
         ),
         "/v1/chat/completions": _inference(
             "chat_completions",
-            ["model", "messages"],
+            ["messages"],
             {"model": model, "messages": [{"role": "user", "content": "Hello"}], **short},
             client,
+            {"messages": MESSAGES, **SEQUENCES},
         ),
         "/inference/v1/generate": _inference(
             "generate",
-            ["token_ids"],
+            ["token_ids", "sampling_params"],
             {"token_ids": [1, 2, 3, 4], "sampling_params": short},
             client,
+            {"token_ids": TOKEN_IDS, "sampling_params": SAMPLING_PARAMS},
         ),
         "/v1/models": {
             "get": {

@@ -57,11 +57,14 @@ any other exception / cancellation          ``aborted`` with the reason
 ==========================================  ===========================================
 
 Before any of that, a request over one of its client's limits (:mod:`router.limits`: requests in
-flight per client, concurrent requests of a session) is answered 429 with ``Retry-After``, and
-the deadline runs from its arrival.
+flight per client; concurrent requests of a session, :mod:`router.session_runs`) is answered 429
+with ``Retry-After``, and the deadline runs from its arrival. A request asking for more than one
+sequence (``n``, ``best_of``, a prompt array: :func:`router.limits.sequences`) is charged one
+slot per sequence under a grant, and refused (400) where it cannot be charged
+(:func:`router.limits.check_sequences`).
 
 **Client disconnects.** The router is served with aiohttp's ``handler_cancellation=True``
-(:func:`router.app.start_server`, :mod:`router.__main__`; aiohttp's test server does the same):
+(:func:`pool.web.start_server`, :mod:`router.__main__`; aiohttp's test server does the same):
 a lost client connection cancels the handler task, the ``CancelledError`` closes the upstream
 response (vLLM sees the disconnect and aborts the generation) and the shielded release records
 ``client disconnected``. Without handler cancellation the router still notices a streaming client
@@ -82,7 +85,8 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from pool.types import ReplicaRecord
+from pool.store.grants import FinalRecord
+from pool.types import BindingState, ReplicaRecord
 from pool.web import (
     CLIENT,
     BadRequest,
@@ -92,7 +96,7 @@ from pool.web import (
     read_json_object,
 )
 from router import limits, sessions
-from router.admission import Constraints, affinity_key
+from router.admission import affinity_key
 from router.answers import (
     TIMINGS,
     Target,
@@ -102,15 +106,20 @@ from router.answers import (
     upstream_failure,
     whole_answer,
 )
-from router.bindings import DEFAULT_REASON, Outcome, Settled, Settlement
+from router.bindings import DEFAULT_REASON, Held, Outcome, Settled, Settlement
+from router.constraints import Constraints
 from router.errors import UpstreamError
 from router.failover import cuttable
 from router.keys import (
     ADMITTER,
     BINDINGS,
     CATALOG,
+    GRANTS,
     HTTP,
     IN_FLIGHT,
+    METRICS,
+    RECORDER,
+    RUNS,
     SETTINGS,
     VIEW,
 )
@@ -146,21 +155,28 @@ async def handle_inference(request: web.Request) -> web.StreamResponse:
     if model is not None and not isinstance(model, str):
         raise RouteNotFound("'model' must be a string", code="model_not_found")
     check_fields(body)
+    seqs = limits.sequences(request.path, body)
     accept = await _model_filter(request, model)
 
     header = request.headers.get(HEADER_ID)
     session_id = None if header is None else header.strip()
-    with app[IN_FLIGHT].hold(request.get(CLIENT), session_id):
+    replicas = (await app[VIEW].get()).replicas
+    limits.check_sequences(
+        seqs, session=session_id is not None, grants=settings.grants, replicas=replicas
+    )
+    with app[IN_FLIGHT].hold(request.get(CLIENT), limits.pool_capacity(replicas)):
         if session_id is None:
-            return await _single(request, body, constraints, model, accept, deadline)
-        info, replica, settle, ends_ms = await sessions.resolve(
-            request, session_id, constraints, accept
-        )
-        target = Target(info, replica, deadline.capped(ends_ms))
-        lease_s = sessions.session_lease_s(settings)
-        with app[BINDINGS].renewing(info.rollout_id, lease_s, info, session=True) as held:
-            run = run_settled(request, target, body, model, settle)
-            return await cuttable(request, held, run)
+            return await _single(request, body, constraints, model, accept, deadline, seqs.count)
+        async with app[RUNS].hold(session_id) as mark:
+            info, replica, settle, ends_ms = await sessions.resolve(
+                request, session_id, constraints, accept
+            )
+            target = Target(info, replica, deadline.capped(ends_ms))
+            lease_s = sessions.session_lease_s(settings)
+            settle = app[RUNS].settling(mark, settle)
+            with app[BINDINGS].renewing(info.rollout_id, lease_s, info, session=True) as held:
+                run = run_settled(request, target, body, model, settle)
+                return await cuttable(request, held, run)
 
 
 async def _single(
@@ -170,12 +186,18 @@ async def _single(
     model: str | None,
     accept: Callable[[ReplicaRecord], bool] | None,
     deadline: Deadline,
+    slots: int,
 ) -> web.StreamResponse:
-    """A one-request rollout: admit, forward, release."""
+    """A one-request rollout asking for ``slots`` sequences (1 unless under grants): admit,
+    forward, release."""
     app = request.app
     settings = app[SETTINGS]
     rollout_id = new_rollout_id()
     timings = request[TIMINGS] = Timings(time.perf_counter())
+    if settings.grants:
+        return await _under_grant(
+            request, rollout_id, body, constraints, model, accept, deadline, slots
+        )
     admitted = await app[ADMITTER].admit(
         rollout_id,
         constraints,
@@ -191,6 +213,7 @@ async def _single(
     view.started(replica.replica_id)
 
     async def release(o: Outcome) -> Settled:
+        app[METRICS].path_round_trips.labels("release").inc()
         try:
             return await bindings.release(
                 rollout_id,
@@ -208,6 +231,73 @@ async def _single(
     with bindings.renewing(rollout_id, lease_s, target.info, epoch=admitted.epoch) as held:
         run = run_settled(request, target, body, model, Settlement(release))
         return await cuttable(request, held, run)
+
+
+async def _under_grant(
+    request: web.Request,
+    rollout_id: str,
+    body: dict[str, Any],
+    constraints: Constraints,
+    model: str | None,
+    accept: Callable[[ReplicaRecord], bool] | None,
+    deadline: Deadline,
+    slots: int,
+) -> web.StreamResponse:
+    """A one-request rollout under one of this router's grants (:mod:`router.grants`), charged
+    ``slots`` slots (its sequences): admit and settle locally, forward as any request; the
+    slots go back and the record is queued (:mod:`router.records`) once the answer is out."""
+    app = request.app
+    admitted = await app[ADMITTER].admit_granted(
+        rollout_id, constraints, affinity_key(body), accept=accept, slots=slots
+    )
+    lg, replica, adm = admitted.grant, admitted.replica, admitted.admission
+    assert lg is not None
+    timings = request[TIMINGS]
+    timings.admit = time.perf_counter() - timings.start
+    view, book = app[VIEW], app[GRANTS]
+    view.started(replica.replica_id, slots)
+    info = RolloutInfo.of_admission(adm)
+    held = Held(0.0, time.monotonic(), info, epoch=admitted.epoch)
+    task = asyncio.current_task()
+    if task is not None:
+        held.tasks.add(task)
+    ended = Outcome()
+    verdict: Settled | None = None
+
+    async def settle(o: Outcome) -> Settled:
+        nonlocal ended, verdict
+        ended, verdict = o, book.settle(lg, rollout_id)
+        return verdict
+
+    book.run(lg, rollout_id, held)
+    try:
+        run = run_settled(request, Target(info, replica, deadline), body, model, Settlement(settle))
+        return await cuttable(request, held, run)
+    finally:
+        book.put(lg, rollout_id, slots)
+        view.finished(replica.replica_id, slots)
+        o, state, reason = ended, ended.state, ended.reason
+        if held.cut is not None:  # as Bindings.end: a cut request ends with the cut's reason
+            state, reason = BindingState.ABORTED, held.cut
+        elif verdict is not Settled.CONFIRMED and state is not BindingState.ABORTED:
+            state = BindingState.ABORTED
+            reason = lg.aborted or "its grant could not be confirmed (output withheld)"
+        app[RECORDER].add(
+            FinalRecord(
+                rollout_id,
+                replica.replica_id,
+                adm.generation,
+                adm.label,
+                adm.identity_digest,
+                state,
+                reason,
+                o.prompt_tokens,
+                o.completion_tokens,
+                adm.created_ms,
+                limits.terms(app[SETTINGS], request.get(CLIENT), session=False).owner,
+            ),
+            info,
+        )
 
 
 async def run_settled(
@@ -337,9 +427,11 @@ async def forward(
     app = request.app
     route = request.path
     stream = body.get("stream") is True
+    health = app[VIEW].health
     try:
         info = await app[CATALOG].info(target.replica)
     except UpstreamError as e:  # shared by concurrent waiters: raise a fresh one
+        health.failed(target.replica.url)
         outcome.abort(f"upstream unavailable: {e.message}")
         raise UpstreamError(
             e.message,
@@ -356,7 +448,10 @@ async def forward(
         async with deadline:
             resp = await app[HTTP].post(url, data=payload, headers=JSON_HEADERS)
     except (aiohttp.ClientError, TimeoutError) as e:
+        if isinstance(e, aiohttp.ClientConnectionError) and not isinstance(e, TimeoutError):
+            health.failed(target.replica.url)  # refused, reset, unreachable: not slow
         raise upstream_failure(e, target, outcome, "request", deadline.expired()) from e
+    health.answered(target.replica.url)
     complete = False
     try:
         if stream and resp.status == 200 and resp.content_type == "text/event-stream":

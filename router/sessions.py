@@ -6,13 +6,16 @@
   lease_expires_ms, deadline_ms}``, on the terms of :func:`router.limits.terms`: owned by the
   client that opened it (when client keys are configured), ended at ``session_max_age_s``
   (``deadline_ms``) and after ``session_idle_s`` without a request, counted against the
-  client's ``client_max_sessions`` (429 ``client_sessions``).
+  client's session quota (``client_max_sessions``, by default half the pool's capacity: 429
+  ``client_sessions``).
 * Requests with ``X-Rollout-Id: <id>`` go to the session's replica with its generation's cache
-  salt (:func:`resolve`). Each one renews the lease and counts itself (``requests + 1``) before
-  it is forwarded, renews the lease while it runs, and adds its token counts when it finishes;
-  that last touch also proves the session was still active, else the answer is withheld (409
-  ``binding_ended``, see :mod:`router.proxy`). A failed request (upstream error, client
-  disconnect) leaves the session open; a provenance violation ends it as ``violated``.
+  salt (:func:`resolve`), at most ``session_max_in_flight`` at a time across every worker and
+  router (:mod:`router.session_runs`: 429 ``session_busy``), each asking for one sequence.
+  Each one renews the lease and counts itself (``requests + 1``) before it is forwarded, renews
+  the lease while it runs, and adds its token counts when it finishes; that last touch also
+  proves the session was still active, else the answer is withheld (409 ``binding_ended``, see
+  :mod:`router.proxy`). A failed request (upstream error, client disconnect) leaves the session
+  open; a provenance violation ends it as ``violated``.
 * ``POST /v1/rollouts/{id}/heartbeat`` renews the lease (never past the maximum age or the
   idle limit); ``POST /v1/rollouts/{id}/close`` releases the session as ``finished``. A session
   whose lease runs out is aborted by the reaper, with the reason ("lease expired", or the limit
@@ -40,9 +43,9 @@ from pool.errors import LimitReached, NotFound, StoreError
 from pool.types import Binding, BindingState, ReplicaRecord, ReplicaState
 from pool.web import CLIENT, Conflict, RouteNotFound, json_response, read_json_object
 from router import limits
-from router.admission import Constraints
 from router.bindings import Outcome, Settled, Settlement, shielded
-from router.keys import ADMITTER, BINDINGS, SETTINGS, STORE, VIEW
+from router.constraints import Constraints
+from router.keys import ADMITTER, BINDINGS, RECORDER, SETTINGS, STORE, VIEW
 from router.provenance import RolloutInfo, new_rollout_id
 from router.settings import RouterSettings
 
@@ -124,13 +127,14 @@ async def open_session(request: web.Request) -> web.Response:
         Constraints.parse(body, "session request body")
     )
     rollout_id = new_rollout_id()
+    capacity = limits.pool_capacity((await app[VIEW].get()).replicas)
     admitted = await app[ADMITTER].admit(
         rollout_id,
         constraints,
         b"",
         session=True,
         lease_s=settings.session_lease_s,
-        terms=limits.terms(settings, request.get(CLIENT), session=True),
+        terms=limits.terms(settings, request.get(CLIENT), session=True, capacity=capacity),
     )
     adm = admitted.admission
     info = RolloutInfo.of_admission(adm)
@@ -147,7 +151,11 @@ async def open_session(request: web.Request) -> web.Response:
 
 
 async def get_rollout(request: web.Request) -> web.Response:
-    b = await _binding(request, request.match_info["rollout_id"])
+    """The provenance record; one this router still holds to write (a rollout run under a
+    grant, :mod:`router.records`) is written first."""
+    rollout_id = request.match_info["rollout_id"]
+    await shielded(request.app[RECORDER].flushed(rollout_id))
+    b = await _binding(request, rollout_id)
     return json_response(b.model_dump(mode="json"), headers=RolloutInfo.of_binding(b).headers())
 
 

@@ -25,9 +25,10 @@ class RouterSettings(BaseSettings):
 
     ``workers`` (``python -m router --workers N`` overrides it): processes serving ``port``
     together with ``SO_REUSEPORT`` (:mod:`router.workers`), each a whole router; 0 means one
-    per core. Each worker applies ``client_max_in_flight``, ``session_max_in_flight`` and the
-    rate limit to its own requests; its ``/metrics`` are its own (a scrape through the shared
-    port reaches one worker) and ``/healthz`` names it (``worker``: index, count, pid).
+    per core. Each worker applies ``client_max_in_flight`` and the rate limit to its own
+    requests (``session_max_in_flight`` is kept in Redis, for all of them); its ``/metrics``
+    are its own (a scrape through the shared port reaches one worker) and ``/healthz`` names it
+    (``worker``: index, count, pid).
 
     Timing contracts:
 
@@ -40,11 +41,19 @@ class RouterSettings(BaseSettings):
       third of that while the request runs, so only a dead router's bindings expire (and are
       aborted by any router's reaper within ``reaper_interval_s``).
     * ``session_lease_s`` is a session's lease; every request and heartbeat renews it.
+    * ``grants`` (on by default): one-request rollouts are admitted against capacity this router
+      holds in advance per replica (``grant_slots`` slots at first, grown and shrunk with its
+      load, at most the replica's capacity), with no Redis round trip on the request's path;
+      their provenance records are written after delivery, every ``record_flush_s``
+      (:mod:`router.grants`, :mod:`router.records`). Off: one ADMIT and one RELEASE script
+      per request, as sessions always use.
+    * ``replica_view_ttl_s``: how long one snapshot of the pool view (kept current by the
+      change feed, :mod:`pool.store.feed`) is reused for ordering candidates.
     * ``upstream_keepalive_s`` must stay below vLLM's own keep-alive (5 s by default,
       ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), or a pooled connection can be closed by the server
       just as a request is written on it.
 
-    Limits on clients (README "Security and operations"), so that no client can hold a
+    Limits on clients (docs: operations/security.md), so that no client can hold a
     replica's drain or the pool's capacity indefinitely:
 
     * ``session_max_age_s`` ends a session that long after it opened, heartbeats or not
@@ -55,9 +64,28 @@ class RouterSettings(BaseSettings):
       ``anonymous:<address>`` without keys; the admin is exempt), counted in Redis across
       routers; ``client_max_in_flight``: requests per client identity in flight in *this*
       router (arrival to last byte, queueing for a replica included); ``session_max_in_flight``:
-      concurrent requests of one session in this router (1: a session counts as one rollout
-      against its replica's capacity, as its binding does). Over any of them → 429 with
+      concurrent requests of one session across every worker and router (kept in Redis, each
+      request's mark under a lease of ``request_lease_s`` renewed while it runs, so a dead
+      worker's lapses: :mod:`router.session_runs`; 1: a session counts as one rollout against
+      its replica's capacity, as its binding does). Over any of them → 429 with
       ``Retry-After``; 0 disables one.
+    * The two client quotas default to unset (None): **derived from the pool's capacity** as the
+      router sees it at admission (:func:`router.limits.pool_capacity`, the capacity of every
+      replica not out of service), ``client_max_sessions`` = half of it (at least 1) and
+      ``client_max_in_flight`` = all of it (no limit while it is 0: requests wait for a
+      replica, then 503). Chosen over charging a session
+      only from its first request because a session holds its replica's slot while it idles
+      between requests whatever it did first, and the ADMIT script, the drain and the
+      updater's accounting all count a session binding from its admission: with half the pool
+      per client, one client's idle sessions can never take the whole pool, whatever its size,
+      while one trainer may still fill it with requests. Set a value to fix a quota (0
+      disables it).
+    * A request asks its replica for ``n`` (or ``best_of``) sequences per prompt, times the
+      prompts of a prompt array (:func:`router.limits.sequences`): a one-request rollout under
+      ``grants`` is charged that many slots of its replica; a session's request, or any
+      request with ``grants`` off (one binding: one slot), must ask for one (400
+      ``one_sequence_per_request``), and no request may ask for more than the largest
+      replica's capacity (400 ``too_many_sequences``).
     * ``request_deadline_s`` bounds a whole request, stream included (504 / an SSE error event;
       the binding is aborted with the reason); a session's request also ends at the session's
       maximum age. ``client_write_timeout_s``: a stream the client does not read for that long
@@ -79,6 +107,9 @@ class RouterSettings(BaseSettings):
     admission_wait_s: float = Field(default=5.0, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
     replica_view_ttl_s: float = Field(default=0.25, ge=0)
+    grants: bool = True
+    grant_slots: int = Field(default=4, ge=1)
+    record_flush_s: float = Field(default=0.02, gt=0)
     max_body_bytes: int = Field(default=4 * MIB, gt=0)
     max_upstream_body_bytes: int = Field(default=64 * MIB, gt=0)
 
@@ -94,8 +125,8 @@ class RouterSettings(BaseSettings):
 
     session_max_age_s: float = Field(default=3600.0, gt=0)
     session_idle_s: float = Field(default=600.0, gt=0)
-    client_max_sessions: int = Field(default=1024, ge=0)
-    client_max_in_flight: int = Field(default=1024, ge=0)
+    client_max_sessions: int | None = Field(default=None, ge=0)
+    client_max_in_flight: int | None = Field(default=None, ge=0)
     session_max_in_flight: int = Field(default=1, ge=0)
     request_deadline_s: float = Field(default=1800.0, gt=0)
     client_write_timeout_s: float = Field(default=30.0, gt=0)

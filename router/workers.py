@@ -3,9 +3,9 @@
 Each worker is a whole router (its own app, Redis client, upstream pool, reaper, lease renewer
 and failover guard), listening on the same ``host:port`` with ``SO_REUSEPORT``: the kernel
 spreads new connections over the workers. Routers are stateless between requests (bindings,
-sessions and quotas live in Redis), so N workers behave like N routers behind a balancer; what
-one worker counts for itself (``client_max_in_flight``, ``session_max_in_flight``, the rate
-limit, ``/metrics``) is per worker.
+sessions, session quotas and the requests running per session live in Redis), so N workers
+behave like N routers behind a balancer; what one worker counts for itself
+(``client_max_in_flight``, the rate limit, ``/metrics``) is per worker.
 
 :func:`supervise` is the parent: it starts the workers (``python -m router --worker K``, the
 same environment; port 0 is resolved to one free port first), forwards SIGINT/SIGTERM to them,

@@ -2,7 +2,7 @@
 
 * :func:`start_replicas` — N real vLLM CPU servers of the tiny model via :mod:`pool.launcher`
   (float32, eager, 64 MiB KV cache, one core each, ``--enable-scale-out`` so
-  ``/inference/v1/generate`` exists, a trivial chat template so chat completions work).
+  ``/inference/v1/generate`` exists); chat completions use the model's own chat template.
 * :func:`label_replicas` + :func:`publish_ready` — act as the updater: set each engine's weight
   label, then register the replicas and move them ``UNINITIALIZED → READY`` on generation g0
   under an updater lease, publishing it.
@@ -28,6 +28,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pool.checkpoint import content_hash, read_manifest
 from pool.engine import VllmEngine
+from pool.errors import NotFound
 from pool.launcher import LocalReplica, ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
@@ -35,12 +36,12 @@ from pool.types import Binding, BindingState, Generation, ReplicaState, WeightId
 from pool.web import start_server
 from router.app import create_app
 from router.settings import RouterSettings
+from testkit.models import CHAT_TEMPLATE as CHAT_TEMPLATE  # the tiny models' own (stand-ins)
 from testkit.models import ensure_model
 from updater.providers.local import LocalProvider
 from updater.service import Updater
 
 G0 = Generation(number=0, label="g0")
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
 def local_launcher(updater: Updater, replica_id: str) -> LocalReplica:
@@ -77,9 +78,6 @@ async def start_replicas(
     ``env`` is added to each server's environment. If any replica fails to start, the others
     are stopped and the error is raised.
     """
-    template = work_root / "chat_template.jinja"
-    await asyncio.to_thread(work_root.mkdir, parents=True, exist_ok=True)
-    await asyncio.to_thread(template.write_text, CHAT_TEMPLATE)
     replicas = [
         LocalReplica(
             ReplicaSpec(
@@ -87,7 +85,6 @@ async def start_replicas(
                 name=f"{name}-{i}",
                 cpu_bind=str(i % 2),
                 enable_scale_out=True,
-                extra_args=("--chat-template", str(template)),
                 work_dir=work_root / f"replica-{i}",
                 startup_timeout_s=startup_timeout_s,
                 env=dict(env or {}),
@@ -154,15 +151,21 @@ async def settled(
 ) -> Binding:
     """The rollout's binding once it has ended (or once ``until`` holds), polling.
 
-    The router releases a binding right after the last byte of a successful answer, so a client
-    that has its answer may still see the binding active for a moment.
+    The router releases a binding right after the last byte of a successful answer, and writes
+    the record of a rollout run under a grant a moment after delivery (``record_flush_s``), so
+    a client that has its answer may still see the binding active, or no record, for a moment.
     """
     done = until or (lambda b: b.state is not BindingState.ACTIVE)
     deadline = time.monotonic() + timeout_s
     while True:
-        b = await store.binding(rollout_id)
-        if done(b) or time.monotonic() > deadline:
-            return b
+        try:
+            b = await store.binding(rollout_id)
+        except NotFound:
+            if time.monotonic() > deadline:
+                raise
+        else:
+            if done(b) or time.monotonic() > deadline:
+                return b
         await asyncio.sleep(0.02)
 
 

@@ -6,7 +6,8 @@ vocab 2048, untied embeddings, 512 positions, ``bos=0 eos=1 pad=2`` (about 0.85 
 
 Builders (each writes a complete Hugging Face model directory that ``vllm serve`` loads):
 
-* :func:`build_tokenizer` — the tokenizer alone (bit-identical on every run).
+* :func:`build_tokenizer` — the tokenizer alone (bit-identical on every run), with its chat
+  template (:data:`CHAT_TEMPLATE`), so ``/v1/chat/completions`` works on every tiny model.
 * :func:`build_random` — weights of rank >= 2 drawn from N(0, 0.2) with a seeded generator, so
   greedy output depends strongly on the seed. ``intermediate_size`` and ``dtype`` can be changed
   to make deliberately *incompatible* checkpoints (wrong shapes, wrong dtype) for tests.
@@ -48,6 +49,7 @@ from typing import Any
 from pool.launcher import default_cache_root
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "MARKER_FIRST",
     "MARKER_SPAN",
     "MODEL_KINDS",
@@ -68,6 +70,18 @@ MAX_POSITIONS = 512
 BOS, EOS, PAD = 0, 1, 2
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 INIT_STD = 0.2
+
+#: The chat template of every tiny model (in its ``tokenizer_config.json``): each turn is
+#: ``<s>{role}\n{content}</s>\n`` (ChatML's shape on the tokenizer's own ``<s>``/``</s>``, so the
+#: vocabulary stays as it was), the generation prompt ``<s>assistant\n``; the assistant's turn
+#: ends at ``</s>``, the model's eos. ``content`` is used as a string (vLLM detects that and
+#: flattens a list of text parts into one).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<s>' + message['role'] + '\\n' + message['content'] + '</s>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
+)
 
 #: Marker tokens are ``MARKER_FIRST + (7 * g) % MARKER_SPAN``: ids 300..1999. Ids below 259 are
 #: the 3 special tokens and the 256 single-byte tokens (some decode to U+FFFD alone); every id
@@ -122,7 +136,8 @@ def build_tokenizer(directory: Path) -> Path:
 
     Deterministic: the corpus is seeded and BPE training is single-valued for a fixed corpus
     (verified: identical ``tokenizer.json`` across runs). Writes ``tokenizer.json`` and the
-    ``PreTrainedTokenizerFast`` config files. Returns ``directory``.
+    ``PreTrainedTokenizerFast`` config files, :data:`CHAT_TEMPLATE` in ``tokenizer_config.json``
+    (where every transformers version and the stand-in read it). Returns ``directory``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -147,8 +162,10 @@ def build_tokenizer(directory: Path) -> Path:
         eos_token=SPECIAL_TOKENS[1],
         pad_token=SPECIAL_TOKENS[2],
         model_max_length=MAX_POSITIONS,
+        chat_template=CHAT_TEMPLATE,
     )
-    fast.save_pretrained(str(directory))
+    # not chat_template.jinja (transformers >= 4.50's default), which older ones do not read
+    fast.save_pretrained(str(directory), save_jinja_files=False)
     return directory
 
 

@@ -290,10 +290,13 @@ class SentinelGroup:
         _wait(f"the replicas of {primary_port} to catch up", caught_up, timeout_s)
 
     def restart(self, port: int, timeout_s: float = 30.0) -> None:
-        """Start a stopped node again, as a replica of the current primary."""
+        """(Re)start a node as what the sentinels take it for: a replica of the current
+        primary, or the primary itself where they have not failed over from it (a node
+        started with its old ``--replicaof`` would follow a node that is a replica now)."""
         node = self.node(port)
         node.stop(timeout_s=1.0)
-        node.extra = self._node_args(self.primary_port())
+        primary = self.primary_port()
+        node.extra = self._node_args(None if primary == port else primary)
         node.start(timeout_s)
 
     def force_failover(self) -> None:

@@ -22,8 +22,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture
 def store_settings(redis_server: RedisServer) -> StoreSettings:
-    """Settings on the session's Redis with a fresh namespace, so tests never see each other."""
-    return StoreSettings(url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:12]}")
+    """Settings on the session's Redis with a fresh namespace, so tests never see each other.
+
+    The updater lease outlives any test (600 s, five times the unit suite's per-test timeout):
+    most tests take a lease without a keeper, and a test stalled past the default 15 s by a
+    loaded machine then failed on a lapsed lease it never meant to test. Tests of a lapse set
+    their own TTL or make it lapse."""
+    return StoreSettings(
+        url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:12]}", updater_lease_s=600.0
+    )
 
 
 @pytest.fixture

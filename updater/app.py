@@ -3,7 +3,7 @@ checkpoints here.
 
 Routes (all JSON; errors are ``{"error": {"code", "message", ...}}``):
 
-* ``POST /v1/updates`` (admin) — :class:`~updater.service.UpdateRequest` → 202 with the update
+* ``POST /v1/updates`` (admin) — :class:`~updater.api.UpdateRequest` → 202 with the update
   record (id, generation, label, state ``queued``). A body that fails validation (strictly
   typed: ``"step": "5"`` or ``true`` is refused, not converted) → 422 ``invalid_body``; a
   checkpoint that fails the read-only preflight (missing path, wrong names/shapes/dtypes) →

@@ -8,6 +8,18 @@
         u = up.push("/ckpts/step-700", step=700, probe=(prompt_ids, expected_ids))
         done = up.wait(u["id"], timeout_s=600)   # raises UpdateFailed unless it succeeded
 
+A trainer whose weights are on a GPU of the replicas' node pushes its module from GPU memory
+(the pool's transport ``ipc_direct``: the replicas copy from the trainer's staged copy over
+CUDA IPC; :mod:`updater.transports.ipc.pusher` says where the generation's recovery source
+comes from)::
+
+    p = up.push_module(model, "/ckpts/step-700", probe=probe_fn, step=700)  # stall: one copy
+    rec = p.record()              # queued once the checkpoint written from the copy is confirmed
+    up.wait(rec["id"])
+
+Against a pool on another transport (``nccl_direct`` or ``reload`` in service mode) the same
+call works and those read the confirmed checkpoint instead.
+
 Errors: :class:`UpdaterAPIError` carries the HTTP status and the JSON error body; ``wait``
 raises :class:`UpdateFailed` for a failed or superseded update and ``TimeoutError`` when the
 update is still running at the deadline (it keeps running server-side).
@@ -18,11 +30,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from pool.errors import RolloutPoolError
+
+if TYPE_CHECKING:
+    from updater.transports.ipc.pusher import ModulePusher, ProbeSource, StagedPush
 
 
 class UpdaterAPIError(RolloutPoolError):
@@ -56,6 +71,7 @@ class UpdaterClient:
     ) -> None:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+        self._pusher: ModulePusher | None = None
 
     def __enter__(self) -> UpdaterClient:
         return self
@@ -64,6 +80,10 @@ class UpdaterClient:
         self.close()
 
     def close(self) -> None:
+        """Wait for a module push still in the background, free its staged copies, close."""
+        if self._pusher is not None:
+            self._pusher.close()
+            self._pusher = None
         self._http.close()
 
     def _json(self, r: httpx.Response) -> Any:
@@ -97,6 +117,39 @@ class UpdaterClient:
         }
         result: dict[str, Any] = self._json(self._http.post("/v1/updates", json=body))
         return result
+
+    def push_module(
+        self,
+        model: Any,
+        checkpoint: str | Path,
+        *,
+        probe: ProbeSource,
+        step: int | None = None,
+        label: str | None = None,
+        trainer_run: str = "",
+        save_extra: Callable[[Path], None] | None = None,
+        slots: int = 2,
+    ) -> StagedPush:
+        """Push ``model`` (a ``torch.nn.Module`` on a GPU) from GPU memory: its weights are
+        staged on that GPU before this returns (the trainer's stall: one device-to-device
+        copy); the checkpoint written from the staged copy (at ``checkpoint``, absolute, new),
+        the probe (``probe``, or ``probe(checkpoint)``) and ``POST /v1/updates`` follow in the
+        background (:meth:`StagedPush.record`). ``slots`` staged copies are kept (the first
+        call decides); push the next module only once the previous update ended. See
+        :mod:`updater.transports.ipc.pusher`."""
+        if self._pusher is None:
+            from updater.transports.ipc.pusher import ModulePusher
+
+            self._pusher = ModulePusher(self, slots=slots)
+        return self._pusher.push(
+            model,
+            Path(checkpoint).resolve(),
+            probe=probe,
+            step=step,
+            label=label,
+            trainer_run=trainer_run,
+            save_extra=save_extra,
+        )
 
     def get(self, update_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self._json(self._http.get(f"/v1/updates/{update_id}"))

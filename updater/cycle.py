@@ -4,7 +4,8 @@ For one replica and one target generation::
 
     preflight (read-only)                     refused -> replica untouched, still READY
     READY -> DRAINING        fenced CAS: admissions close here (I1)
-    wait until the store's active bindings are 0, at most ``drain_timeout_s`` (policy
+    wait until the store's active bindings and routers' granted slots are 0, at most
+                             ``drain_timeout_s`` (policy
                              ``wait``) or not at all (``abort``); what is left is aborted with
                              a reason (marked aborted in its provenance, never lost)
     POST /pause?clear_cache=false   DrainEvidence: store closed + 0 active; engine paused, idle
@@ -31,6 +32,10 @@ evidence that does not prove its step — is ambiguous: TAINTED (I4), never publ
 
 One runner serves a whole pool; it is not safe to run two cycles on one replica concurrently
 (the store's CAS would refuse the second anyway).
+
+Around it: what a cycle runs on (:mod:`updater.handle`), each move committed in the store
+across failovers (:mod:`updater.commits`, the runner's base), the evidence of VALIDATING
+(:mod:`updater.validation`), the configuration (:mod:`updater.config`).
 """
 
 from __future__ import annotations
@@ -38,109 +43,54 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from pydantic import BaseModel, Field
-
-from pool.checksum import compare as compare_checksums
-from pool.checksum import from_json as checksums_from_json
-from pool.engine import VllmEngine
-from pool.errors import LifecycleError, RolloutPoolError, StoreConflict, StoreUnavailable
+from pool.errors import (
+    EpochChanged,
+    LifecycleError,
+    RolloutPoolError,
+    StoreConflict,
+    StoreUnavailable,
+)
 from pool.evidence import (
     BootstrapEvidence,
-    ChecksumEvidence,
     DrainEvidence,
     DrainRequested,
-    Event,
-    FailureKind,
     LabelEvidence,
-    ProcessIdentity,
     RecoveryStarted,
-    ResumeEvidence,
-    StepFailed,
     TransferEvidence,
     TransferStarted,
     UpdateCancelled,
     ValidationEvidence,
 )
-from pool.lifecycle import Lifecycle, advance
 from pool.records import ReplicaOutcome, ReplicaReport
-from pool.store import RedisStore, UpdaterLease
-from pool.types import Generation, Manifest, ReplicaRecord, ReplicaState, WeightIdentity
+from pool.store import Epoch, RedisStore, UpdaterLease
+from pool.types import Generation, ReplicaState, WeightIdentity
+from updater.commits import Commits
+from updater.config import Deadlines, DrainPolicy
 from updater.deadline import bounded
 from updater.failover import EpochGate
+from updater.handle import Probe, ReplicaHandle, UpdateTarget
 from updater.transports.base import Transport, WeightsTarget
+from updater.validation import Validator, probe_validate, verify_checksums
+
+__all__ = [
+    "CycleError",
+    "CycleRunner",
+    "Deadlines",
+    "DrainPolicy",
+    "Probe",
+    "Progress",
+    "ReplicaHandle",
+    "UpdateTarget",
+]
 
 log = logging.getLogger(__name__)
 S = ReplicaState
 T = TypeVar("T")
-
-
-class DrainPolicy(StrEnum):
-    """How a drain ends. Every drain ends: what is still bound when it ends is aborted with a
-    reason (the binding's provenance says why), never dropped silently."""
-
-    WAIT = "wait"  # let bindings end on their own, for at most drain_timeout_s
-    ABORT = "abort"  # abort what is bound right away (fastest update; rollouts are cut)
-
-
-class Deadlines(BaseModel):
-    """Per-step deadlines in seconds (I5). Every engine call of a cycle runs under one."""
-
-    preflight_s: float = Field(default=60.0, gt=0)
-    pause_s: float = Field(default=60.0, gt=0)
-    transfer_s: float = Field(default=300.0, gt=0)
-    reset_s: float = Field(default=30.0, gt=0)
-    validate_s: float = Field(default=60.0, gt=0)
-    resume_s: float = Field(default=30.0, gt=0)
-
-
-@dataclass(frozen=True)
-class Probe:
-    """A validation probe: greedy output of ``prompt_token_ids`` must equal ``expected``."""
-
-    prompt_token_ids: tuple[int, ...]
-    expected: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class UpdateTarget:
-    generation: Generation
-    identity: WeightIdentity
-    path: Path
-    probe: Probe
-
-
-@dataclass
-class ReplicaHandle:
-    """The updater's view of one replica: its engine client, manifest and controller state.
-
-    ``provider_identity`` reads the identity the replica's provider gives the process it runs
-    now (:meth:`updater.providers.base.ReplicaProvider.incarnation`); None where there is none.
-    """
-
-    replica_id: str
-    engine: VllmEngine
-    manifest: Manifest
-    lc: Lifecycle = field(default_factory=Lifecycle)
-    provider_identity: Callable[[], Awaitable[str | None]] | None = None
-
-    async def process(self, timeout_s: float) -> ProcessIdentity | None:
-        """The serving process's identity now: the engine's report (None if it reports none)
-        with the provider's. Raises :class:`~pool.errors.EngineError` when the engine does not
-        answer within ``timeout_s``."""
-        engine = (await self.engine.metrics(timeout_s=timeout_s)).process
-        if engine is None:
-            return None
-        provider = await self.provider_identity() if self.provider_identity else None
-        return ProcessIdentity(engine, provider)
-
-
-Validator = Callable[["ReplicaHandle", Generation, "Probe"], Awaitable[ValidationEvidence]]
 
 
 class CycleError(RolloutPoolError):
@@ -193,8 +143,9 @@ class _Phase:
         self.timer.report.phase = self.outer
 
 
-class CycleRunner:
-    """Runs update and bootstrap cycles; see the module docstring for the contract."""
+class CycleRunner(Commits):
+    """Runs update and bootstrap cycles; see the module docstring for the contract. Its
+    commits and reads of replica records are :class:`~updater.commits.Commits`'."""
 
     def __init__(
         self,
@@ -210,22 +161,30 @@ class CycleRunner:
         gate: EpochGate | None = None,
         store_retry_s: float = 15.0,
     ) -> None:
-        self.store = store
-        self.lease = lease
+        super().__init__(store, lease, store_retry_s)
         self.transport = transport
         self.deadlines = deadlines or Deadlines()
         self.drain_policy = drain_policy
         self.drain_timeout_s = drain_timeout_s
         self.drain_poll_s = drain_poll_s
-        #: Produces the ValidationEvidence of a replica that already holds the new weights and
-        #: has its caches reset; admissions stay closed. Default: :meth:`probe_validate` (label +
-        #: greedy probe). A GPU harness on bf16 weights plugs in a teacher-forced log-prob check.
-        self.validate: Validator = validator or self.probe_validate
+        #: The probe part of validation (:data:`updater.validation.Validator`). Default:
+        #: :func:`~updater.validation.probe_validate` (label + greedy probe). A GPU harness on
+        #: bf16 weights plugs in a teacher-forced log-prob check.
+        self.validate: Validator = validator or probe_validate
         #: Stands before every transfer when Redis can fail over (:mod:`updater.failover`).
         self.gate = gate
-        #: How long a commit or a read waits out Redis being unreachable (a failover) before
-        #: the step fails; bounded anyway by the lease's local deadline.
-        self.store_retry_s = store_retry_s
+
+    # ------------------------------------------------------------------ the transport's state
+
+    def expect_wave(self, handles: Collection[ReplicaHandle]) -> None:
+        """The next cycles update ``handles`` concurrently to one target (a wave of the rolling
+        plan); the transport may send the wave one copy (:meth:`Transport.expect_wave`)."""
+        self.transport.expect_wave([h.engine.url for h in handles])
+
+    def forget(self, h: ReplicaHandle) -> None:
+        """``h``'s process was or is about to be replaced: the transport drops what it keeps for
+        the old one (e.g. an NCCL group; :meth:`Transport.forget`)."""
+        self.transport.forget(h.engine.url)
 
     # ------------------------------------------------------------------ engine steps
 
@@ -245,87 +204,6 @@ class CycleRunner:
         if fenced:
             self.lease.require()
         return await bounded(step, call(), deadline_s, mutating=mutating)
-
-    # ------------------------------------------------------------------ commits
-
-    async def commit(self, h: ReplicaHandle, event: Event, *, reason: str = "") -> None:
-        """Advance the controller, then commit the same move in the store (fenced CAS).
-
-        Raises :class:`LifecycleError` (nothing written) if the controller refuses, and
-        :class:`StoreConflict` if the store moved under us; a replica found TAINTED by someone
-        else (a router's violation check, the health checker) is adopted as TAINTED. While
-        Redis is unreachable (a failover) the commit is retried for up to ``store_retry_s``:
-        the record read back afterwards tells a CAS that landed from one that did not.
-        """
-        before = h.lc
-        after = advance(before, event)
-        kw: dict[str, Any] = {"reason": reason or after.reason}
-        if after.state is S.READY and after.generation is not None:
-            kw.update(
-                generation=after.generation,
-                identity_digest=after.identity or "",
-                publish=True,
-                process=after.process.encode() if after.process else None,
-            )
-        if after.state is S.DRAINING and after.target is not None:
-            kw.update(target=after.target, target_identity=after.target_identity or "")
-        deadline = time.monotonic() + self.store_retry_s
-        while True:
-            token = self.lease.require()
-            try:
-                await self.store.transition(h.replica_id, token, before.state, after.state, **kw)
-                break
-            except StoreUnavailable:
-                # Redis failing over: the CAS may or may not have landed (or been lost). Once
-                # Redis answers again, the record says which: ours (same state, our token) is
-                # done, the old state is retried, anything else is a conflict below.
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(0.2)
-                try:
-                    rec = await self.store.replica(h.replica_id)
-                except StoreUnavailable:
-                    continue
-                if rec.state is after.state and rec.fence == token:
-                    break
-                if rec.state is before.state:
-                    continue
-                exc: StoreConflict = StoreConflict(
-                    f"replica {h.replica_id} is {rec.state}, expected {before.state}",
-                    replica=h.replica_id,
-                    state=rec.state,
-                )
-            except StoreConflict as e:
-                exc = e
-            rec = await self.store.replica(h.replica_id)
-            if rec.state is S.TAINTED:
-                h.lc = replace(before, state=S.TAINTED, reason=rec.reason)
-            raise exc
-        h.lc = after
-
-    async def read(self, h: ReplicaHandle) -> ReplicaRecord:
-        """The replica's record, waiting out Redis being unreachable for up to
-        ``store_retry_s`` (a failover)."""
-        deadline = time.monotonic() + self.store_retry_s
-        while True:
-            try:
-                return await self.store.replica(h.replica_id)
-            except StoreUnavailable:
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(0.2)
-
-    async def _taint(self, h: ReplicaHandle, step: str, exc: BaseException) -> None:
-        """Move the replica to TAINTED (I4) after an ambiguous failure of ``step``."""
-        reason = f"{step}: {type(exc).__name__}: {exc}"
-        log.warning("tainting %s: %s", h.replica_id, reason)
-        if h.lc.state is S.TAINTED:
-            return
-        try:
-            await self.commit(h, StepFailed(step, FailureKind.AMBIGUOUS, reason), reason=reason)
-        except StoreConflict:
-            await self.store.taint(h.replica_id, reason, source="updater")
-            h.lc = replace(h.lc, state=S.TAINTED, reason=reason)
 
     async def _cancel(
         self, h: ReplicaHandle, report: ReplicaReport, step: str, exc: BaseException, paused: bool
@@ -397,7 +275,7 @@ class CycleRunner:
                 rec = await self.read(h)
                 drained = DrainEvidence(
                     admissions_closed=rec.state is S.DRAINING,
-                    active_bindings=rec.active,
+                    active_bindings=rec.busy,
                     engine_paused=pause.proves_paused,
                     engine_running=running,
                 )
@@ -417,9 +295,7 @@ class CycleRunner:
                     raise await self._cancel(h, report, "failover check", e, paused=True) from e
         step = "transfer"
         try:
-            await self.commit(h, TransferStarted(t.identity.digest))
-            if self.gate is not None and epoch is not None:
-                await self.gate.unchanged(epoch)
+            await self._enter_updating(h, t.identity.digest, epoch)
             async with timer("transfer"):
                 ev = await self._engine(
                     "transfer",
@@ -440,10 +316,10 @@ class CycleRunner:
                 await self.commit(h, valid)
             step = "resume"
             async with timer("resume"):
-                paused = await self._engine(
-                    "resume", lambda: h.engine.is_paused(), d.resume_s, mutating=True
+                resumed = await self._engine(
+                    "resume", lambda: h.engine.confirm_resumed(), d.resume_s, mutating=True
                 )
-                await self.commit(h, ResumeEvidence(200, paused))
+                await self.commit(h, resumed)
         except Exception as e:
             await self._taint(h, step, e)
             report.outcome, report.reason = (
@@ -455,12 +331,62 @@ class CycleRunner:
         report.outcome = ReplicaOutcome.READY
         return report
 
+    async def _enter_updating(
+        self, h: ReplicaHandle, identity_digest: str, epoch: Epoch | None
+    ) -> None:
+        """QUIESCED -> UPDATING, and with an epoch gate, proof that Redis did not fail over
+        between the routers' check of ``epoch`` and that commit (:mod:`updater.failover`).
+
+        The commit checked 0 active bindings on one primary; a failover in between could have
+        lost bindings routers still serve. No weight has moved yet, so a failover here (or
+        Redis restarting) is waited out instead of tainting: once the new epoch is settled and
+        every router verified it, the record is read again in it. UPDATING with our token (and
+        the commit's check held there: 0 active) goes on; the commit lost (QUIESCED again) is
+        made again; anything else is a StoreConflict. Bounded by the gate's timeout."""
+        await self.commit(h, TransferStarted(identity_digest))
+        if self.gate is None or epoch is None:
+            return
+        deadline = time.monotonic() + self.gate.timeout_s
+        while True:
+            try:
+                await self.gate.unchanged(epoch)
+                return
+            except (EpochChanged, StoreUnavailable) as e:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s: %s before the transfer; checking again", h.replica_id, e)
+            epoch = await self.gate.settled()
+            rec = await self.read(h)
+            if rec.state is S.QUIESCED and h.lc.state is S.UPDATING:
+                h.lc = replace(h.lc, state=S.QUIESCED)  # the failover lost our commit
+                await self.commit(h, TransferStarted(identity_digest))
+            elif rec.state is not S.UPDATING or rec.fence != self.lease.require():
+                raise StoreConflict(
+                    f"replica {h.replica_id} is {rec.state} after a failover, expected UPDATING",
+                    replica=h.replica_id,
+                    state=rec.state,
+                )
+            elif rec.busy:
+                raise StoreConflict(
+                    f"replica {h.replica_id} has {rec.busy} active bindings or granted slots "
+                    "after a failover",
+                    replica=h.replica_id,
+                    active=rec.busy,
+                )
+
     async def _wait_drained(self, h: ReplicaHandle, report: ReplicaReport) -> list[str]:
-        """Wait for the replica's active bindings to reach 0, for at most ``drain_timeout_s``
-        (policy ``wait``) or not at all (``abort``), then abort the rest with a reason. Returns
-        the ids aborted."""
+        """Wait for the replica's active bindings and the slots routers hold on it (grants) to
+        reach 0, for at most ``drain_timeout_s`` (policy ``wait``) or not at all (``abort``),
+        then abort the rest with a reason. Returns the binding ids aborted.
+
+        Routers return their grants as soon as what runs under them was delivered (they hear
+        of DRAINING on the change feed). An abort ends the bindings at once and tells the
+        routers to cut what runs under their grants; the grants are then waited for, at most
+        ``failover_grace_s`` more (a router that cannot be reached that long has lost its
+        registration, and its grants with it: it cut its requests itself)."""
         wait_s = self.drain_timeout_s if self.drain_policy is DrainPolicy.WAIT else 0.0
         deadline = time.monotonic() + wait_s
+        aborted: list[str] | None = None
         while True:
             rec = await self.read(h)
             if rec.state is S.TAINTED:
@@ -468,16 +394,20 @@ class CycleRunner:
                 report.outcome = ReplicaOutcome.TAINTED
                 report.reason = f"tainted while draining: {rec.reason}"
                 raise CycleError(report)
-            if rec.active == 0:
-                return []
-            if time.monotonic() >= deadline:
+            if rec.busy == 0:
+                return aborted or []
+            if aborted is None and time.monotonic() >= deadline:
                 why = (
                     f"drain ended after {wait_s:g} s (policy=wait): aborted so the update of "
                     f"{h.replica_id} can proceed"
                     if self.drain_policy is DrainPolicy.WAIT
                     else f"aborted by the update of {h.replica_id} (drain policy=abort)"
                 )
-                return await self.store.abort_active(h.replica_id, why)
+                aborted = await self.store.abort_active(h.replica_id, why)
+                # routers return grants they cut; a dead router's lapse with its registration
+                deadline = time.monotonic() + 2 * self.store.settings.failover_grace_s
+            elif aborted is not None and time.monotonic() >= deadline:
+                return aborted  # the commit to QUIESCED counts again (and refuses if held)
             await asyncio.sleep(self.drain_poll_s)
 
     async def _validate(
@@ -497,7 +427,7 @@ class CycleRunner:
             async with timer("checksum"):
                 sums = await self._engine(
                     "checksum",
-                    lambda: self.verify_checksums(h, transfer),
+                    lambda: verify_checksums(h, transfer, d.validate_s),
                     d.validate_s,
                     mutating=True,
                 )
@@ -514,56 +444,6 @@ class CycleRunner:
             "validate", lambda: self.validate(h, gen, probe), d.validate_s, mutating=True
         )
         return valid if sums is None else replace(valid, checksums=sums)
-
-    async def verify_checksums(
-        self, h: ReplicaHandle, transfer: TransferEvidence
-    ) -> ChecksumEvidence:
-        """The replica's checksums over its runtime parameters against the sender's: those its
-        receive reported (``transfer.replica_checksums``), else the worker extension's
-        ``rolloutpool_checksums`` now (:mod:`pool.replica_extension`). A replica that cannot
-        answer (no extension loaded, an error) yields evidence with ``error`` set, which does
-        not prove equality."""
-        expected = transfer.checksums or {}
-        if transfer.replica_checksums is not None:
-            return compare_checksums(
-                expected, transfer.replica_checksums, sender_s=transfer.checksum_s
-            )
-        t0 = time.monotonic()
-        try:
-            rpc = await h.engine.collective_rpc(
-                "rolloutpool_checksums", timeout_s=self.deadlines.validate_s
-            )
-            if len(rpc.results) != 1 or not isinstance(rpc.results[0], dict):
-                raise ValueError(f"one result per worker expected, got {rpc.results!r:.200}")
-            actual = checksums_from_json(rpc.results[0].get("checksums"))
-        except Exception as e:
-            return compare_checksums(
-                expected,
-                {},
-                sender_s=transfer.checksum_s,
-                replica_s=time.monotonic() - t0,
-                error=f"{type(e).__name__}: {e}"[:500],
-            )
-        return compare_checksums(
-            expected, actual, sender_s=transfer.checksum_s, replica_s=time.monotonic() - t0
-        )
-
-    async def probe_validate(
-        self, h: ReplicaHandle, gen: Generation, probe: Probe
-    ) -> ValidationEvidence:
-        """Label, resume (admissions stay closed), probe, read the label back."""
-        caps = h.engine.capabilities
-        if caps.labels:
-            await h.engine.set_label(gen.label)
-        await h.engine.resume()
-        actual = await h.engine.complete(
-            list(probe.prompt_token_ids),
-            max_tokens=len(probe.expected),
-            temperature=0.0,
-            cache_salt=gen.label,
-        )
-        label = await h.engine.weight_label() if caps.labels else LabelEvidence(False, None)
-        return ValidationEvidence(gen, label, probe.expected, actual)
 
     # ------------------------------------------------------------------ bootstrap / recovery
 

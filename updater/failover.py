@@ -1,4 +1,4 @@
-"""The updater's side of a Redis failover (README "Redis that fails over").
+"""The updater's side of a Redis failover (docs: operations/failover.md).
 
 A failover can lose bindings the old primary had acknowledged; the routers that hold their
 requests find out in the new failover epoch and cut them (:mod:`router.failover`). Until they

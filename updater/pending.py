@@ -40,7 +40,6 @@ class PendingUpdates:
     def finish(self, update: PendingUpdate) -> None:
         """The worker is done with ``update`` (whatever its outcome)."""
         self._live.pop(update.record.id, None)
-        self._queue.task_done()
 
     def record(self, update_id: str) -> UpdateRecord | None:
         live = self._live.get(update_id)
@@ -54,6 +53,10 @@ class PendingUpdates:
         """Label -> generation number of the live updates."""
         return {u.record.label: u.record.generation for u in self._live.values()}
 
+    def unfinished(self) -> list[PendingUpdate]:
+        """The live updates whose records are not final yet (queued or running)."""
+        return [u for u in self._live.values() if not u.record.state.final]
+
     def newest_queued_after(self, update: PendingUpdate) -> int | None:
         """The newest generation queued behind ``update``, if any (it supersedes ``update``)."""
         newer = [
@@ -63,10 +66,6 @@ class PendingUpdates:
             and u.record.generation > update.record.generation
         ]
         return max(newer, default=None)
-
-    async def join(self) -> None:
-        """Wait until every update added so far has been finished."""
-        await self._queue.join()
 
 
 class RecordSaver:

@@ -1,7 +1,7 @@
 """The replicas one updater manages, and bringing one up on a declared generation.
 
 A :class:`ManagedReplica` pairs the configuration with the cycle runner's
-:class:`~updater.cycle.ReplicaHandle` (engine client, manifest, controller state, the provider's
+:class:`~updater.handle.ReplicaHandle` (engine client, manifest, controller state, the provider's
 identity of its process) and the supervisor's bookkeeping. Its process is started, restarted and
 located by the pool's :class:`~updater.providers.base.ReplicaProvider`. Its ``lock`` is held by
 whoever drives the replica (an update cycle, a join, a recovery), so two of them never overlap
@@ -17,8 +17,8 @@ from pathlib import Path
 from pool.engine import VllmEngine
 from pool.records import ReplicaReport
 from pool.types import GenerationRecord
+from updater.config import ReplicaConfig
 from updater.cycle import CycleRunner, Probe, ReplicaHandle
-from updater.settings import ReplicaConfig
 
 #: The engine URL of a replica whose provider decides its URL only when it is placed (Ray):
 #: ``.invalid`` never resolves (RFC 2606), so a call before placement fails at once.

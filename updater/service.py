@@ -27,28 +27,27 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from pool.checkpoint import read_manifest, vocab_size
 from pool.engine import VllmEngine
 from pool.errors import (
     EngineError,
+    NotFound,
     PreflightFailed,
     RolloutPoolError,
+    StaleFencingToken,
     StoreConflict,
     StoreError,
-    StoreUnavailable,
 )
 from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.metrics import UpdaterMetrics
 from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord, UpdateState
 from pool.store import RedisStore, UpdaterLease
-from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
+from pool.types import Generation, GenerationRecord, ReplicaRecord, ReplicaState, WeightIdentity
 from updater import plan
 from updater.api import UpdateRequest
 from updater.cycle import CycleError, CycleRunner, Probe, ReplicaHandle, UpdateTarget
@@ -56,6 +55,7 @@ from updater.failover import EpochGate
 from updater.pending import PendingUpdate, PendingUpdates, RecordSaver
 from updater.providers import registry as providers
 from updater.providers.base import ReplicaProvider
+from updater.records import Records, now_ms
 from updater.replicas import UNPLACED_URL, ManagedReplica, bring_up
 from updater.settings import UpdaterSettings
 from updater.supervisor import WAITING_FOR_RESTART, Supervisor
@@ -65,11 +65,6 @@ from updater.transports.preflight import check_provenance, check_weights
 
 log = logging.getLogger(__name__)
 S = ReplicaState
-T = TypeVar("T")
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class Updater:
@@ -120,6 +115,7 @@ class Updater:
         self._savers: dict[str, RecordSaver] = {}  # by update id, while it rolls
         self._tasks: list[asyncio.Task[Any]] = []
         self.lost = asyncio.Event()
+        self.records = Records(store, self.lease, self.lost)
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ start / stop
@@ -131,6 +127,9 @@ class Updater:
         (:class:`~updater.providers.base.ProviderError`)."""
         await self.lease.acquire(blocking_timeout_s=lease_timeout_s)
         self._tasks.append(asyncio.create_task(self._keep_lease(), name="lease"))
+        self._tasks.append(asyncio.create_task(self.records.watch(), name="records"))
+        await self.records.finish_interrupted()
+        await self._reclaim_all()
         await asyncio.gather(*(self._place(m) for m in self.replicas.values()))
         await self._join_all()
         self._tasks.append(asyncio.create_task(self._worker(), name="worker"))
@@ -140,7 +139,10 @@ class Updater:
     async def stop(self, *, stop_replicas: bool = True) -> None:
         """Stop acting and give the lease up. With ``stop_replicas``, the replicas this updater
         launched (its provider launches them) are tainted first (routers stop admitting to them
-        at once), then stopped."""
+        at once; a fenced write), then stopped. An updater that lost the lease writes nothing to
+        the store: the replicas' records are the new holder's. It still ends the processes it
+        launched where no other updater can have adopted them (:attr:`~updater.providers.base.
+        ReplicaProvider.adopts` False: the new holder started its own)."""
         for t in self._tasks:
             t.cancel()
         self.supervisor.cancel()
@@ -150,11 +152,25 @@ class Updater:
         self._tasks.clear()
         for m in self.replicas.values():
             await m.handle.engine.aclose()
-            if stop_replicas and self.provider.launches:
-                # routers must stop admitting before the process goes (no lease needed)
-                with contextlib.suppress(RolloutPoolError):
-                    await self.store.taint(m.id, "stopped with its updater", source="updater")
-                await self.provider.stop(m.id)
+            if not (stop_replicas and self.provider.launches):
+                continue
+            held = True
+            try:  # routers must stop admitting before the process goes
+                token = self.lease.require()
+                await self.store.taint(
+                    m.id, "stopped with its updater", source="updater", token=token
+                )
+            except StaleFencingToken:
+                held = False
+            except RolloutPoolError as e:  # Redis away: the process still goes
+                log.warning("replica %s not tainted before it stops: %s", m.id, e)
+            if not held and self.provider.adopts:
+                log.warning("replica %s left running: the lease holder may have adopted it", m.id)
+                continue
+            await self.provider.stop(m.id)
+        await self.records.interrupt(
+            [u.record for u in self.pending.unfinished()], "its updater stopped"
+        )
         await self.provider.close()
         await self.lease.release()
 
@@ -210,44 +226,76 @@ class Updater:
         gen = await self._initial_generation()
         await asyncio.gather(*(self._join(m, gen) for m in self.replicas.values()))
 
+    async def _reclaim_all(self) -> None:
+        """Before starting replicas: end the processes an earlier updater of this pool left
+        running (it crashed, or it was fenced out while stopped), where the provider can tell
+        them by their recorded identity (:meth:`~updater.providers.base.ReplicaProvider.
+        reclaim`); their records are tainted first, so no router admits to them meanwhile."""
+        try:
+            records = {r.replica_id: r for r in await self.store.replicas()}
+        except StoreError as e:
+            log.warning("left-over replicas not checked: %s", e.message)
+            return
+        for m in self.replicas.values():
+            rec = records.get(m.id)
+            recorded = ProcessIdentity.decode(rec.process) if rec is not None else None
+            if recorded is None or recorded.provider is None:
+                continue
+            if not await self.provider.reclaimable(m.id, recorded.provider):
+                continue
+            reason = "its process was left by an earlier updater: ended"
+            await self.store.taint(m.id, reason, source="updater", token=self.lease.require())
+            await self.store.abort_active(m.id, "updater restart")
+            await self.provider.reclaim(m.id, recorded.provider)
+            log.warning("replica %s: ended process %s left by an earlier updater", m.id, recorded)
+
     async def _join(self, m: ManagedReplica, gen: GenerationRecord) -> None:
         """Register ``m`` and bring it to READY on ``gen``.
 
         A replica registered for the first time is bootstrapped on what it was started with
         (``gen``'s checkpoint loaded if that is another one). A replica an earlier updater left
-        behind is adopted only if it is READY on ``gen`` and still the very server process that
-        was validated (its weights cannot have changed since: that needs a fenced transition
-        out of READY). Anything else is not trusted: it is tainted, and recovered only from a
-        new process with ``gen`` loaded from scratch (I6) — now, if the provider just started a
-        new one; else the supervisor restarts it through the provider, or, where the provider
-        cannot restart it, waits until its orchestrator has.
+        behind is adopted only if it is READY on ``gen``, at the same URL, and still the very
+        server process that was validated (its weights cannot have changed since: that needs a
+        fenced transition out of READY). Anything else is not trusted: it is tainted *before*
+        its record points anywhere new (the store's REGISTER also taints a known replica whose
+        URL changes), and recovered only from a new process with ``gen`` loaded from scratch
+        (I6) — now, if the provider just started a new one; else the supervisor restarts it
+        through the provider, or, where the provider cannot restart it, waits until its
+        orchestrator has.
         """
         token = self.lease.require()
-        state = await self.store.register_replica(
-            m.id, m.handle.engine.url, token, capacity=m.config.capacity
-        )
+        url = m.handle.engine.url
+        reason = "updater (re)start found it changed: not trusted"
         async with m.lock:
+            try:
+                rec: ReplicaRecord | None = await self.store.replica(m.id)
+            except NotFound:
+                rec = None
+            current = await self._process(m) if rec is not None else None
+            recorded = ProcessIdentity.decode(rec.process) if rec is not None else None
+            if rec is not None and not (
+                rec.state is S.READY
+                and rec.generation == gen.generation.number
+                and rec.url == url
+                and recorded is not None
+                and current == recorded
+            ):
+                reason = f"updater (re)start found it {rec.state}: not trusted"
+                if rec.state is not S.UNINITIALIZED:
+                    await self.store.taint(m.id, reason, source="updater", token=token)
+            state = await self.store.register_replica(m.id, url, token, capacity=m.config.capacity)
             if state is S.UNINITIALIZED:
                 m.handle.lc = Lifecycle()
                 await self._bring_up(m, gen, from_scratch=False)
                 return
-            rec = await self.store.replica(m.id)
-            recorded = ProcessIdentity.decode(rec.process)
-            current = await self._process(m)
-            if (
-                rec.state is S.READY
-                and rec.generation == gen.generation.number
-                and recorded is not None
-                and current == recorded
-            ):
+            assert rec is not None  # registered before: it has a record
+            if state is S.READY:
                 await m.handle.engine.bootstrap()
                 m.handle.lc = Lifecycle(
                     S.READY, gen.generation, rec.identity_digest, process=recorded
                 )
                 log.info("replica %s adopted: READY on %s, same process", m.id, gen.generation)
                 return
-            reason = f"updater (re)start found it {rec.state}: not trusted"
-            await self.store.taint(m.id, reason, source="updater")
             await self.store.abort_active(m.id, "updater restart")
             m.handle.lc = Lifecycle(state=S.TAINTED, reason=reason, process=recorded)
             m.quarantined, m.cause = True, reason
@@ -310,7 +358,7 @@ class Updater:
             label=gen.label,
             checkpoint=str(path),
             identity_digest=ident.digest,
-            created_ms=_now_ms(),
+            created_ms=now_ms(),
         )
         await self.store.save_update(rec)
         self.pending.add(PendingUpdate(rec, UpdateTarget(gen, ident, path, probe)))
@@ -347,8 +395,9 @@ class Updater:
         return candidate
 
     async def _next_number(self) -> int:
-        numbers = [r.generation.number for r in await self.store.generation_records()]
-        return max(numbers + self.pending.generations(), default=-1) + 1
+        declared = await self.store.newest_declared()
+        numbers = self.pending.generations() + ([] if declared is None else [declared])
+        return max(numbers, default=-1) + 1
 
     async def get(self, update_id: str) -> UpdateRecord:
         """A live update's record, else the stored one (``NotFound`` if unknown)."""
@@ -357,10 +406,6 @@ class Updater:
     async def list(self, limit: int = 100) -> list[UpdateRecord]:
         return await self.store.updates(limit)
 
-    async def wait_idle(self) -> None:
-        """Wait until every update submitted so far has ended."""
-        await self.pending.join()
-
     async def _worker(self) -> None:
         while True:
             update = await self.pending.take()
@@ -368,17 +413,19 @@ class Updater:
             try:
                 newer = self.pending.newest_queued_after(update)
                 if self.coalesce and newer is not None:
-                    rec.state, rec.finished_ms = UpdateState.SUPERSEDED, _now_ms()
+                    rec.state, rec.finished_ms = UpdateState.SUPERSEDED, now_ms()
                     rec.error = f"superseded by g{newer}"
-                    await self._save(rec)
+                    await self.records.save(rec)
                     continue
+                if not await self.records.holding():  # e.g. Redis was away past the lease TTL
+                    raise StaleFencingToken("the updater lease is not held")
                 await self._roll(rec, update.target)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the update fails; the worker keeps going
                 log.exception("update %s failed", rec.id)
-                rec.state, rec.error, rec.finished_ms = UpdateState.FAILED, str(e), _now_ms()
-                await self._save(rec)
+                rec.state, rec.error, rec.finished_ms = UpdateState.FAILED, str(e), now_ms()
+                await self.records.save(rec)
             finally:
                 self.pending.finish(update)
 
@@ -393,9 +440,9 @@ class Updater:
             probe_expected=target.probe.expected,
         )
         await self.store.declare_generation(gen_rec, self.lease.require())
-        rec.state, rec.started_ms = UpdateState.RUNNING, _now_ms()
-        await self._save(rec)
-        saver = self._savers[rec.id] = RecordSaver(rec, self._save)
+        rec.state, rec.started_ms = UpdateState.RUNNING, now_ms()
+        await self.records.save(rec)
+        saver = self._savers[rec.id] = RecordSaver(rec, self.records.save)
         try:
             await self._roll_replicas(rec, target, saver)
         finally:
@@ -405,30 +452,46 @@ class Updater:
             return
         ok = rec.published_ms is not None and not rec.error
         rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
-        rec.finished_ms = _now_ms()
+        rec.finished_ms = now_ms()
         self._count("succeeded" if ok else "failed")
         if self.metrics is not None and rec.staleness_window_s is not None:
             self.metrics.staleness_window.observe(rec.staleness_window_s)
-        await self._save(rec)
+        await self.records.save(rec)
 
     async def _roll_replicas(
         self, rec: UpdateRecord, target: UpdateTarget, saver: RecordSaver
     ) -> None:
         """The rolling loop of :meth:`_roll`: batches by the plan until every replica is on
         ``target`` (or none is left); a replica failing before the generation is published
-        fails the update here (``rec.state`` FAILED)."""
+        fails the update here (``rec.state`` FAILED). Cancelled (the updater stops), it cancels
+        and awaits the cycles it started: a cycle cut off in a step leaves its replica to the
+        next updater, which trusts nothing it finds mid-update."""
+        running: dict[str, asyncio.Task[ReplicaReport]] = {}
+        try:
+            await self._roll_batches(rec, target, saver, running)
+        finally:  # cancelled (the updater stops): its cycles go with it, none runs on alone
+            for t in running.values():
+                t.cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)
+
+    async def _roll_batches(
+        self,
+        rec: UpdateRecord,
+        target: UpdateTarget,
+        saver: RecordSaver,
+        running: dict[str, asyncio.Task[ReplicaReport]],
+    ) -> None:
         s = self.settings
         attempted: set[str] = set()
-        running: dict[str, asyncio.Task[ReplicaReport]] = {}
         published = False
         while True:
-            records = await self._retrying(self.store.replicas)
-            latest = await self._retrying(self.store.latest)
+            records = await self.runner.retrying(self.store.replicas)
+            latest = await self.runner.retrying(self.store.latest)
             published = latest is not None and latest[0].number >= target.generation.number
             if published and rec.published_ms is None:
-                rec.published_ms = _now_ms()
+                rec.published_ms = now_ms()
             if not running and plan.done(records, target.generation.number):
-                rec.rolled_ms = _now_ms()
+                rec.rolled_ms = now_ms()
                 rec.staleness_window_s = (rec.rolled_ms - rec.created_ms) / 1000
                 break
             # before the generation is published, one replica alone: it must prove it first
@@ -447,9 +510,7 @@ class Updater:
                 else []
             )
             if len(batch) > 1:  # one wave: a transport may send it one copy for all
-                self.runner.transport.expect_wave(
-                    [self.replicas[rid].handle.engine.url for rid in batch]
-                )
+                self.runner.expect_wave([self.replicas[rid].handle for rid in batch])
             for rid in batch:
                 attempted.add(rid)
                 running[rid] = asyncio.create_task(self._cycle(self.replicas[rid], target, rec))
@@ -472,30 +533,9 @@ class Updater:
                     for t in running.values():
                         await t
                     rec.error = f"{rid}: {report.outcome}: {report.reason}"
-                    rec.state, rec.finished_ms = UpdateState.FAILED, _now_ms()
+                    rec.state, rec.finished_ms = UpdateState.FAILED, now_ms()
                     self._count("failed")
                     return
-
-    async def _save(self, rec: UpdateRecord) -> None:
-        """Store an update record; while Redis is away (a failover) the live record in memory
-        stays authoritative (``get``) and the next save catches up, so the worker never dies
-        of an outage."""
-        try:
-            await self.store.save_update(rec)
-        except StoreError as e:
-            log.warning("update %s: record not saved: %s", rec.id, e.message)
-
-    async def _retrying(self, read: Callable[[], Awaitable[T]]) -> T:
-        """A store read, waiting out Redis being unreachable for up to the cycle runner's
-        ``store_retry_s`` (a failover) before the update fails."""
-        deadline = time.monotonic() + self.runner.store_retry_s
-        while True:
-            try:
-                return await read()
-            except StoreUnavailable:
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(0.2)
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

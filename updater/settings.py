@@ -5,46 +5,19 @@ Built once in ``__main__`` (or by the CLI) and passed down; nothing else reads t
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pool.launcher import ReplicaSpec
 from pool.settings import refuse_placeholder
-from updater.cycle import Deadlines, DrainPolicy
+from updater.config import Deadlines, DrainPolicy, ReplicaConfig
 from updater.providers import registry as providers
-from updater.providers.config import KubernetesConfig, RayConfig, RayPlacement
+from updater.providers.config import KubernetesConfig, RayConfig
 from updater.transports import registry as transports
-from updater.transports.nccl import NcclConfig
+from updater.transports.nccl.config import NcclConfig
 
-
-class ReplicaConfig(BaseModel):
-    """One replica the updater manages.
-
-    ``model`` is the checkpoint the server was started with: its manifest is the one every
-    pushed checkpoint must match. What else a replica needs depends on the pool's provider
-    (``UpdaterSettings.provider``, :mod:`updater.providers`):
-
-    * ``local``: ``launch`` (the updater starts the process and restarts it for recovery); with
-      a ``url`` too, that is where the updater and routers reach it (e.g. through a proxy);
-    * ``external``: ``url`` only (someone else runs it; recovery waits for its orchestrator);
-    * ``ray``: ``launch`` (what its actor runs) and optionally ``ray`` (its resource request and
-      placement; default ``UpdaterSettings.ray.placement``); no ``url``: placement decides it;
-    * ``kubernetes``: ``pod`` (default: the id) and optionally ``url`` (e.g. the headless
-      Service name; default the pod's IP).
-    """
-
-    model_config = {"extra": "forbid"}
-
-    id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    url: str | None = None
-    model: Path
-    launch: ReplicaSpec | None = None
-    capacity: int = Field(default=64, ge=1)
-    ray: RayPlacement | None = None
-    pod: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-
+#: ``ReplicaConfig`` (defined with the other configuration leaves, :mod:`updater.config`) is the
+#: type of ``UpdaterSettings.replicas``, so it is exported here too.
+__all__ = ["ReplicaConfig", "UpdaterSettings"]
 
 #: Built-in provider -> (the replica fields it needs, the fields it has no use for).
 _REQUIRED: dict[str, tuple[frozenset[str], frozenset[str]]] = {

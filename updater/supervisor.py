@@ -13,7 +13,9 @@ recovery holds (its ``lock`` is free):
 * READY: the provider does not know its process to be gone
   (:meth:`~updater.providers.base.ReplicaProvider.alive`) and ``/health`` answers within
   ``health_timeout_s``; after ``health_failures`` misses in a row, or a process known gone, →
-  quarantine and recover.
+  quarantine and recover. A healthy one must also still be the process that was validated
+  (the engine's process identity): one replaced since (restarted faster than the health
+  checks notice) → quarantine and recover.
 
 Recovery (``settings.recover``, I6) needs a *new server process*. Where the pool's provider can
 restart replicas (local processes, Ray actors, Kubernetes pods), it replaces the process
@@ -27,6 +29,9 @@ before it is READY again, and the lifecycle controller refuses the commit unless
 process identity *and* the provider's (:class:`pool.evidence.ProcessIdentity`) are new and the
 weights were loaded.
 
+Each round reads the store's records only when the pool view's version moved
+(:meth:`pool.store.feed.PoolWatch.versioned`: one read in an idle pool, whatever its size); a
+record that disagrees with the controller is read again before anything is done about it.
 Checks of different replicas run concurrently; recoveries run as their own tasks (at most one per
 replica). A failed recovery leaves the replica TAINTED, its reason saying what failed (e.g. that
 no node has the resources for it); the next check tries again.
@@ -41,9 +46,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from pool.errors import EngineError, RolloutPoolError
+from pool.evidence import GONE, ProcessIdentity
 from pool.lifecycle import IN_UPDATE
 from pool.metrics import UpdaterMetrics
 from pool.store import RedisStore
+from pool.store.feed import PoolWatch
 from pool.types import ReplicaRecord, ReplicaState
 from updater.cycle import CycleRunner
 from updater.providers.base import ReplicaProvider
@@ -88,13 +95,15 @@ class Supervisor:
         self.replicas = replicas
         self.provider = provider
         self.metrics = metrics
+        #: the records, re-read in full only when the pool view's version moved
+        self.watch = PoolWatch(store)
 
     async def run(self) -> None:
         """Check every replica every ``health_interval_s`` until cancelled."""
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             try:
-                records = {r.replica_id: r for r in await self.store.replicas()}
+                records = dict(await self.watch.versioned())
             except RolloutPoolError as e:  # Redis away: no update step proceeds either
                 log.warning("supervisor: store unavailable: %s", e)
                 continue
@@ -151,6 +160,7 @@ class Supervisor:
         healthy = alive and await m.handle.engine.health(timeout_s=self.settings.health_timeout_s)
         if healthy:
             m.misses = 0
+            await self._same_process(m)
             return
         m.misses += 1
         if not alive or m.misses >= self.settings.health_failures:
@@ -165,6 +175,27 @@ class Supervisor:
             else:
                 await self.quarantine(m, reason)
 
+    async def _same_process(self, m: ManagedReplica) -> None:
+        """A READY replica must still be served by the process that was validated. One its
+        orchestrator replaced between two health checks (a restart faster than the checks
+        notice) serves whatever it was started with, under the published generation: it is
+        tainted and recovered (I6). An engine that does not answer, or reports no identity,
+        is left to the health checks."""
+        validated = m.handle.lc.process
+        if validated is None:
+            return
+        try:
+            now = await m.handle.engine.process_identity(timeout_s=self.settings.health_timeout_s)
+        except EngineError:
+            return
+        if now is None or now == validated.engine:
+            return
+        reason = f"its server process was replaced ({validated.engine} -> {now}): not validated"
+        if self.provider.can_restart:
+            self._start_recovery(m, reason)
+        else:
+            await self.quarantine(m, reason)
+
     async def _watch_external(self, m: ManagedReplica, reason: str) -> None:
         """A TAINTED replica the provider cannot restart (one someone else runs): its
         orchestrator must replace the process. Once the engine (and the provider, where it has
@@ -172,24 +203,45 @@ class Supervisor:
         generation, loaded from scratch.
         """
         if not m.quarantined:
-            await self.quarantine(m, f"{reason}; {WAITING_FOR_RESTART}")
+            await self.quarantine(m, reason)
         try:
             current = await m.handle.process(self.settings.health_timeout_s)
         except EngineError:
-            return  # down or slow: no evidence either way
+            return  # down or slow (maybe the tainted process, stopped): no evidence either way
+        if m.handle.lc.process is None:
+            # the tainted process's identity was never recorded: the one answering now is it
+            m.handle.lc = replace(m.handle.lc, process=current)
+            return
         if current is not None and current.replaces(m.handle.lc.process):
             m.recovering = asyncio.create_task(
                 self.recover(m, reason, restart=False), name=f"rejoin-{m.id}"
             )
 
+    async def _tainted_process(self, m: ManagedReplica) -> ProcessIdentity:
+        """The identity of the process a recovery replaces, read before the restart; GONE when
+        no engine answers (a process that does not run cannot be the one that comes back)."""
+        try:
+            current = await m.handle.process(self.settings.health_timeout_s)
+        except EngineError:
+            current = None
+        return current or ProcessIdentity(GONE)
+
     async def quarantine(self, m: ManagedReplica, reason: str) -> None:
         """Taint (if not yet) and abort what is bound to it; idempotent. The store's reason
-        becomes ``reason`` (so it says what recovery waits for)."""
+        becomes ``reason``, and says what recovery waits for: where the provider cannot restart
+        the replica, that its orchestrator must (:data:`WAITING_FOR_RESTART`).
+
+        The store is tainted whatever the controller says: a cycle whose taint the store
+        refused (Redis away, or not replicated, past the commit's retries) leaves the
+        controller TAINTED and the record in the step it was cut off in."""
+        if not self.provider.can_restart and WAITING_FOR_RESTART not in reason:
+            reason = f"{reason}; {WAITING_FOR_RESTART}"
         async with m.lock:
             if not m.quarantined:
                 m.cause = reason
+            token = self.runner.lease.require()
+            await self.store.taint(m.id, reason, source="updater", token=token)  # no-op if so
             if m.handle.lc.state is not S.TAINTED:
-                await self.store.taint(m.id, reason, source="updater")
                 m.handle.lc = replace(m.handle.lc, state=S.TAINTED, reason=reason)
                 if self.metrics is not None:
                     self.metrics.taints.labels(m.id).inc()
@@ -205,7 +257,7 @@ class Supervisor:
 
     async def _orphaned(self, m: ManagedReplica, reason: str) -> None:
         m.handle.lc = replace(m.handle.lc, state=S.TAINTED, reason=reason)
-        await self.store.taint(m.id, reason, source="updater")
+        await self.store.taint(m.id, reason, source="updater", token=self.runner.lease.require())
         if self.provider.can_restart:
             self._start_recovery(m, reason)
         else:
@@ -226,8 +278,10 @@ class Supervisor:
         async with m.lock:
             m.misses = 0
             try:
+                if m.handle.lc.process is None:  # the identity recovery must differ from (I6)
+                    m.handle.lc = replace(m.handle.lc, process=await self._tainted_process(m))
                 await self.runner.start_recovery(m.handle, reason)
-                self.runner.transport.forget(m.handle.engine.url)  # a fresh process
+                self.runner.forget(m.handle)  # a fresh process
                 if restart and self.provider.can_restart:
                     location = await self.provider.restart_fresh(m.id)
                     m.restarts += 1

@@ -16,7 +16,7 @@ updater taints its replicas and kills their actors; if the driver dies instead, 
 serving and a resubmitted job adopts those still READY on the latest generation as the very
 process that was validated (the rest are restarted fresh). The updater and router can also run
 outside the cluster (``updater.ray.address: ray://<head>:10001`` through Ray Client, or
-``<head>:6379`` from a machine that is a Ray node), see deploy/README.md.
+``<head>:6379`` from a machine that is a Ray node), see docs/guides/deploy.md.
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ Cluster slot holds the whole pool, and every key a script touches arrives throug
 
 Modules: :mod:`pool.store.scripts` (the Lua), :mod:`pool.store.keys` (key names),
 :mod:`pool.store._client` (the redis-py seam: error translation, running scripts),
+:mod:`pool.store._reads` (records, bindings, the journal, counts),
 :mod:`pool.store.batch` (concurrent ADMIT/RELEASE calls share one round trip),
-:mod:`pool.store.connect` (standalone, Sentinel or Cluster clients), :mod:`pool.store.lease`
+:mod:`pool.store.connect` (standalone, Sentinel or Cluster clients), :mod:`pool.store.grants`
+(capacity routers hold in advance, batched provenance records), :mod:`pool.store.feed` (the
+pool view kept current by a change feed), :mod:`pool.store.lease`
 (the updater lease, I8), :mod:`pool.store.failover` (the failover epoch, epoch-qualified
 fencing tokens, the router registry), :mod:`pool.store.terms` (what an admission binds: owner,
 max age, idle limit, session quota) and the :class:`RedisStore` facade.
@@ -23,8 +26,11 @@ Keys (``{ns}`` = ``{rp}`` by default)::
     {ns}:leases                zset rollout id -> lease expiry (ms, Redis clock)
     {ns}:client:<id>:sessions  set of a client's session ids, for its quota (Terms.quota);
                                ended ones are pruned when the quota refuses; expires with them
+    {ns}:session:<rollout>:runs  zset: a session's requests running in any router -> mark
+                               expiry (ms); written by router.session_runs
     {ns}:latest                hash: number label identity (the published generation)
-    {ns}:generations           hash: number -> GenerationRecord JSON (declared generations)
+    {ns}:generations           hash: number -> GenerationRecord JSON (the newest
+                               ``generation_records_max`` declared generations)
     {ns}:labels                hash: label -> number (a label names one generation only)
     {ns}:journal               stream: every admission, release, transition and publish
     {ns}:gen_admissions        hash: generation number -> rollouts admitted on it
@@ -38,19 +44,28 @@ Keys (``{ns}`` = ``{rp}`` by default)::
                                (standalone and Cluster; Sentinel's config-epoch otherwise)
     {ns}:routers               zset: router id -> heartbeat expiry (ms)
     {ns}:routers:epochs        hash: router id -> the failover epoch it last verified
+    {ns}:barrier               counter written before a WAIT that confirms earlier writes
+                               replicated (``StoreClient.confirm_replicated``)
+    {ns}:granted:<id>          hash: router id -> slots it holds in advance on the replica
+                               (its grant, :mod:`pool.store.grants`; counted as active)
+    {ns}:version               hash: n (counter), v ("<n>:<server time us>"): the pool view's
+                               version, moved by every replica change (:mod:`pool.store.feed`)
+    {ns}:changes               pub/sub channel: "<version>:<replica id>" after every change
 
 Concurrency and failure contracts:
 
 * Any number of routers may call :meth:`RedisStore.admit`/:meth:`release` concurrently; the
   scripts serialize in Redis. Writes that move a replica's state require the updater lease's
-  fencing token (I8), except :meth:`taint`, which only ever closes admissions.
+  fencing token (I8); :meth:`taint` takes one too when the updater taints (a fenced-out updater
+  writes nothing), and none when a router or an operator closes admissions.
 * A cancelled call may or may not have run its script; every mutating script is idempotent or
   reports ``already``/``conflict`` when retried, so callers can safely retry.
 * When Redis is unreachable every call raises :class:`~pool.errors.StoreUnavailable` (admissions
   fail closed); nothing is cached locally.
 """
 
-from pool.store._store import Admission, JournalEntry, RedisStore
+from pool.store._reads import JournalEntry
+from pool.store._store import Admission, RedisStore
 from pool.store.failover import Epoch, Failover, describe_token, fencing_token, token_epoch
 from pool.store.keys import Keys
 from pool.store.lease import UpdaterLease

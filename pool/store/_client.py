@@ -1,7 +1,11 @@
 """The seam between the pool's store and redis-py: one client (standalone, Sentinel or Cluster),
 its errors translated into the pool's, and three ways to run a Lua script (alone, sharing a round
 trip with concurrent calls, or durable with ``WAIT``). :class:`pool.store.RedisStore` builds the
-pool's operations on it.
+pool's operations on it; the failover epoch (:mod:`pool.store.failover`), the grants
+(:mod:`pool.store.grants`) and the updater lease (:mod:`pool.store.lease`) build theirs on its
+public part: :attr:`~StoreClient.r`, :attr:`~StoreClient.k`, :attr:`~StoreClient.settings`,
+:attr:`~StoreClient.journal_maxlen`, :meth:`~StoreClient.call`, :meth:`~StoreClient.run_script`
+and :meth:`~StoreClient.run_durable`.
 
 Safe for concurrent tasks of one event loop; every call may raise
 :class:`~pool.errors.StoreUnavailable` (Redis unreachable or refusing writes for now, e.g. in a
@@ -11,6 +15,7 @@ failover), :class:`~pool.errors.StoreBusy` (this process's connection pool staye
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
@@ -29,9 +34,9 @@ from pool.store.keys import Keys
 
 _POOL_EXHAUSTED = "No connection available."
 #: Error replies that mean "this primary cannot take writes right now" (failover in progress).
-_TRANSIENT = frozenset(
-    {"NOREPLICAS", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"}
-)
+#: Matched as words anywhere in the message: pipelines wrap the reply, e.g. ``Command # 1
+#: (...) of pipeline caused error: ('NOREPLICAS Not enough good replicas to write.',)``.
+_TRANSIENT = re.compile(r"\b(NOREPLICAS|READONLY|LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN)\b")
 
 
 def ms(seconds: float) -> int:
@@ -60,12 +65,13 @@ class StoreClient:
         self._taint: AsyncScript = reg(scripts.TAINT)
         self._declare: AsyncScript = reg(scripts.DECLARE)
         self._register: AsyncScript = reg(scripts.REGISTER)
-        self._maxlen = str(settings.journal_maxlen)
+        #: ``StoreSettings.journal_maxlen`` as the scripts take it (their ``MAXLEN ~`` argument).
+        self.journal_maxlen = str(settings.journal_maxlen)
         #: Group commit of ADMIT and RELEASE (not on a Cluster: its pipelines route per node).
         self._batch = (
             None
             if isinstance(client, RedisCluster)
-            else ScriptBatcher(client, self._call, self._translate)
+            else ScriptBatcher(client, self.call, self._translate)
         )
 
     @classmethod
@@ -79,7 +85,7 @@ class StoreClient:
     async def close(self) -> None:
         await self._clients.aclose()
 
-    async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         """Run one redis-py call, translating its errors into the pool's (the seam)."""
         try:
             return await fn()
@@ -102,37 +108,39 @@ class StoreClient:
                 f"Redis at {self.settings.safe_url} is unreachable ({type(e).__name__})"
             )
         if isinstance(e, RedisError):
-            transient = _TRANSIENT.intersection(str(e).replace(":", " ").split())
-            if transient:
+            transient = _TRANSIENT.search(str(e))
+            if transient is not None:
                 # a primary that has no replica in sync yet (min-replicas-to-write), a demoted
                 # or loading one, a cluster mid-failover: like an outage, it passes by itself
                 # (pipelines report it as "Command # n (...) of pipeline caused error: ...")
                 return StoreUnavailable(
-                    f"Redis at {self.settings.safe_url} refuses writes for now ({min(transient)})"
+                    f"Redis at {self.settings.safe_url} refuses writes for now ({transient[1]})"
                 )
             return StoreError(f"redis error: {e}")
         return e
 
-    async def _script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
-        out = await self._call(lambda: script(keys=keys, args=[str(a) for a in args]))
+    async def run_script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
+        """Run ``script`` (registered on :attr:`r`) with its arguments as strings, through
+        :meth:`call`; its reply as strings."""
+        out = await self.call(lambda: script(keys=keys, args=[str(a) for a in args]))
         return [str(x) for x in out]
 
     async def _batched(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
-        """:meth:`_script`, sharing round trips with concurrent calls (:mod:`pool.store.batch`;
+        """:meth:`run_script`, sharing round trips with concurrent calls (:mod:`pool.store.batch`;
         direct on a Cluster)."""
         if self._batch is None:
-            return await self._script(script, keys, args)
+            return await self.run_script(script, keys, args)
         out = await self._batch.run(script, keys, [str(a) for a in args])
         return [str(x) for x in out]
 
-    async def _durable(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
-        """:meth:`_script`, followed on the same connection by ``WAIT wait_replicas`` when the
+    async def run_durable(self, script: AsyncScript, keys: list[str], args: list[Any]) -> list[str]:
+        """:meth:`run_script`, followed on the same connection by ``WAIT wait_replicas`` when the
         store is configured to wait (``StoreSettings.wait_replicas``). Raises
         :class:`NotReplicated` if fewer replicas acknowledged in time: the write is on the
         primary, but a failover could still lose it."""
         n = self.settings.wait_replicas
         if not n:
-            return await self._script(script, keys, args)
+            return await self.run_script(script, keys, args)
         timeout_ms = ms(self.settings.wait_timeout_s)
 
         async def run() -> list[Any]:
@@ -141,7 +149,7 @@ class StoreClient:
                 p.execute_command("WAIT", n, timeout_ms)
                 return list(await p.execute())
 
-        out, acked = await self._call(run)
+        out, acked = await self.call(run)
         if int(acked) < n:
             raise NotReplicated(
                 f"a state change reached {int(acked)} of {n} replicas within "
@@ -150,5 +158,30 @@ class StoreClient:
             )
         return [str(x) for x in out]
 
+    async def confirm_replicated(self) -> None:
+        """Return once ``wait_replicas`` replicas hold everything written to the primary so far
+        (no-op when the store does not wait), else :class:`NotReplicated`. A write followed by
+        ``WAIT`` on one connection: the replication stream is ordered, so its acknowledgement
+        covers every earlier write, whichever connection made it. Use after a NotReplicated
+        write whose effect was read back, before acting on it."""
+        n = self.settings.wait_replicas
+        if not n:
+            return
+        timeout_ms = ms(self.settings.wait_timeout_s)
+
+        async def run() -> list[Any]:
+            async with self.r.pipeline(transaction=False) as p:
+                p.incr(self.k.barrier)
+                p.execute_command("WAIT", n, timeout_ms)
+                return list(await p.execute())
+
+        _, acked = await self.call(run)
+        if int(acked) < n:
+            raise NotReplicated(
+                f"the primary's writes reached {int(acked)} of {n} replicas within "
+                f"{self.settings.wait_timeout_s:g} s",
+                replicas=int(acked),
+            )
+
     async def ping(self) -> bool:
-        return bool(await self._call(self.r.ping))
+        return bool(await self.call(self.r.ping))

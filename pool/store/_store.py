@@ -3,8 +3,8 @@ map and the concurrency and failure contracts)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -13,22 +13,24 @@ from pool.errors import (
     AdmissionRefused,
     LimitReached,
     NotFound,
+    NotReplicated,
     StaleFencingToken,
     StoreConflict,
+    StoreError,
 )
 from pool.records import UpdateRecord
 from pool.settings import StoreSettings
-from pool.store._client import StoreClient, ms
+from pool.store._client import ms
+from pool.store._reads import StoreReads
 from pool.store.connect import Clients
 from pool.store.failover import Failover, describe_token
+from pool.store.grants import Grants
 from pool.store.lease import UpdaterLease
 from pool.store.terms import NO_TERMS, Terms, limit_reason
 from pool.types import (
-    Binding,
     BindingState,
     Generation,
     GenerationRecord,
-    ReplicaRecord,
     ReplicaState,
 )
 
@@ -45,21 +47,7 @@ class Admission:
     created_ms: int
 
 
-@dataclass(frozen=True)
-class JournalEntry:
-    id: str
-    fields: dict[str, str]
-
-    @property
-    def type(self) -> str:
-        return self.fields.get("type", "")
-
-
-def _int_or_none(raw: str | None) -> int | None:
-    return int(raw) if raw else None
-
-
-class RedisStore(StoreClient):
+class RedisStore(StoreReads):
     """The pool's shared state in Redis. One instance per process; safe for concurrent tasks.
 
     Construct with :meth:`connect`; close with :meth:`close`. See the module docstring for the
@@ -72,6 +60,8 @@ class RedisStore(StoreClient):
         super().__init__(client, settings, clients)
         #: The failover epoch and the router registry (:mod:`pool.store.failover`).
         self.failover = Failover(self, self._clients.sentinel)
+        #: Capacity routers hold in advance, batched records (:mod:`pool.store.grants`).
+        self.grants = Grants(self, self.failover)
 
     # ---------------------------------------------------------------- admission (routers)
 
@@ -96,7 +86,8 @@ class RedisStore(StoreClient):
         Writes the binding, the active set, the lease and a journal entry together. A
         session's admission is durable like a fenced write (``wait_replicas``): a session lives
         across many requests, and no router holds it between them, so a failover must not lose
-        it (:class:`~pool.errors.NotReplicated` otherwise; its lease then ends it).
+        it (:class:`~pool.errors.NotReplicated` otherwise, and the binding the primary may hold
+        is released at once, so retries during a replication stall do not fill the pool).
         """
         lease_ms = ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
         keys = [
@@ -108,6 +99,8 @@ class RedisStore(StoreClient):
             self.k.journal,
             self.k.gen_admissions,
             self.k.client_sessions(terms.quota_key),
+            self.k.granted(replica_id),
+            self.k.routers,
         ]
         args = [
             rollout_id,
@@ -117,23 +110,31 @@ class RedisStore(StoreClient):
             -1 if min_generation is None else min_generation,
             -1 if generation is None else generation,
             int(session),
-            self._maxlen,
+            self.journal_maxlen,
             terms.owner,
             0 if terms.max_age_s is None else ms(terms.max_age_s),
             0 if terms.idle_s is None else ms(terms.idle_s),
             terms.quota,
         ]
-        run = self._durable if session else self._batched
-        out = await run(self._admit, keys, args)
-        if out[0] == "refused" and out[1] == "client_quota" and await self._prune(keys[-1]):
+        run = self.run_durable if session else self._batched
+        try:
             out = await run(self._admit, keys, args)
+            if out[0] == "refused" and out[1] == "client_quota" and await self._prune(keys[7]):
+                out = await run(self._admit, keys, args)
+        except NotReplicated:
+            # the binding may hold a slot on the primary: end it now, not when its lease does
+            with contextlib.suppress(StoreError):
+                await self.release(
+                    rollout_id, replica_id, BindingState.ABORTED, reason="admission not replicated"
+                )
+            raise
         if out[0] != "ok":
             raise AdmissionRefused(out[1], replica=replica_id, detail=out[2] or None)
         return Admission(rollout_id, replica_id, int(out[1]), out[2], out[3], int(out[4]))
 
     async def _prune(self, sessions_key: str) -> int:
         """Drop the ended sessions from a client's session set; returns how many."""
-        ids: set[str] = await self._call(lambda: self.r.smembers(sessions_key))
+        ids: set[str] = await self.call(lambda: self.r.smembers(sessions_key))
         order = sorted(ids)
 
         async def states() -> list[Any]:
@@ -143,10 +144,10 @@ class RedisStore(StoreClient):
                 return list(await p.execute())
 
         ended = [
-            rid for rid, st in zip(order, await self._call(states), strict=True) if st != "active"
+            rid for rid, st in zip(order, await self.call(states), strict=True) if st != "active"
         ]
         if ended:
-            await self._call(lambda: self.r.srem(sessions_key, *ended))
+            await self.call(lambda: self.r.srem(sessions_key, *ended))
         return len(ended)
 
     async def release(
@@ -186,7 +187,7 @@ class RedisStore(StoreClient):
                 prompt_tokens,
                 completion_tokens,
                 ms(self.settings.binding_retention_s),
-                self._maxlen,
+                self.journal_maxlen,
                 int(only_if_expired),
             ],
         )
@@ -218,7 +219,7 @@ class RedisStore(StoreClient):
         the reaper to end) and :class:`NotFound` if the binding is not active.
         """
         lease_ms = ms(lease_s if lease_s is not None else self.settings.binding_lease_s)
-        out = await self._script(
+        out = await self.run_script(
             self._touch,
             [self.k.binding(rollout_id), self.k.leases],
             [rollout_id, lease_ms, requests, prompt_tokens, completion_tokens, int(activity)],
@@ -261,7 +262,7 @@ class RedisStore(StoreClient):
                         )
                     return list(await p.execute())
 
-            for (rid, _), out in zip(part, await self._call(run), strict=True):
+            for (rid, _), out in zip(part, await self.call(run), strict=True):
                 if str(out[0]) != "ok":
                     gone.add(rid)
         return gone
@@ -274,20 +275,20 @@ class RedisStore(StoreClient):
         renewed after the scan is left alone. The reason is "lease expired", or the limit of its
         :class:`Terms` it reached (its lease cannot have been renewed past that).
         """
-        now_s, now_us = await self._call(self.r.time)
+        now_s, now_us = await self.call(self.r.time)
         now_ms = int(now_s) * 1000 + int(now_us) // 1000
-        ids: list[str] = await self._call(
+        ids: list[str] = await self.call(
             lambda: self.r.zrangebyscore(self.k.leases, "-inf", now_ms, start=0, num=limit)
         )
         reaped: list[str] = []
         fields = ("replica_id", "created_ms", "deadline_ms", "idle_limit_ms", "last_request_ms")
         for rid in ids:
             key = self.k.binding(rid)
-            replica, created, deadline, idle, last = await self._call(
+            replica, created, deadline, idle, last = await self.call(
                 partial(self.r.hmget, key, fields)
             )
             if replica is None:
-                await self._call(partial(self.r.zrem, self.k.leases, rid))
+                await self.call(partial(self.r.zrem, self.k.leases, rid))
                 continue
             reason = "lease expired"
             if deadline is not None and now_ms >= int(deadline):
@@ -305,8 +306,12 @@ class RedisStore(StoreClient):
         return reaped
 
     async def abort_active(self, replica_id: str, reason: str) -> list[str]:
-        """Mark every active binding on a replica aborted (crash, drain timeout). Returns ids."""
-        ids: set[str] = await self._call(lambda: self.r.smembers(self.k.active(replica_id)))
+        """Mark every active binding on a replica aborted (crash, drain timeout) and tell the
+        routers to cut what runs under their grants on it (:meth:`Grants.abort`; they return
+        the grants, which a drain waits for). Returns the binding ids."""
+        with contextlib.suppress(NotFound):
+            await self.grants.abort(replica_id, reason)
+        ids: set[str] = await self.call(lambda: self.r.smembers(self.k.active(replica_id)))
         done = []
         for rid in sorted(ids):
             if await self.release(rid, replica_id, BindingState.ABORTED, reason=reason):
@@ -318,10 +323,20 @@ class RedisStore(StoreClient):
     async def register_replica(
         self, replica_id: str, url: str, token: int, capacity: int = 64
     ) -> ReplicaState:
-        out = await self._durable(
+        """Add ``replica_id`` (UNINITIALIZED) or update its url and capacity; returns its state
+        after the call. A known replica registered at another url is TAINTED in the same step
+        (unless UNINITIALIZED or RECOVERING): routers never admit to a server nobody validated.
+        Fenced (:class:`StaleFencingToken`)."""
+        out = await self.run_durable(
             self._register,
-            [self.k.replicas, self.k.replica(replica_id), self.k.lease, self.k.journal],
-            [replica_id, url, capacity, token, self._maxlen],
+            [
+                self.k.replicas,
+                self.k.replica(replica_id),
+                self.k.lease,
+                self.k.journal,
+                self.k.version,
+            ],
+            [replica_id, url, capacity, token, self.journal_maxlen, self.k.changes],
         )
         self._check_token(out, token)
         return ReplicaState(out[1])
@@ -350,7 +365,7 @@ class RedisStore(StoreClient):
         With ``wait_replicas`` it returns only once that many replicas hold the change (and
         everything written before it), else :class:`~pool.errors.NotReplicated`.
         """
-        out = await self._durable(
+        out = await self.run_durable(
             self._transition,
             [
                 self.k.replica(replica_id),
@@ -358,6 +373,9 @@ class RedisStore(StoreClient):
                 self.k.active(replica_id),
                 self.k.latest,
                 self.k.journal,
+                self.k.version,
+                self.k.granted(replica_id),
+                self.k.routers,
             ],
             [
                 replica_id,
@@ -372,8 +390,9 @@ class RedisStore(StoreClient):
                 "" if target is None else target.number,
                 "" if target is None else target.label,
                 target_identity,
-                self._maxlen,
+                self.journal_maxlen,
                 process or "",
+                self.k.changes,
             ],
         )
         self._check_token(out, token)
@@ -393,32 +412,37 @@ class RedisStore(StoreClient):
             )
         return int(out[1])
 
-    async def begin_drain(
-        self, replica_id: str, token: int, target: Generation, target_identity: str
-    ) -> int:
-        """READY → DRAINING (closes admissions at the CAS). Returns active bindings left."""
-        return await self.transition(
-            replica_id,
-            token,
-            ReplicaState.READY,
-            ReplicaState.DRAINING,
-            reason=f"update to {target.label}",
-            target=target,
-            target_identity=target_identity,
-        )
-
     async def taint(
-        self, replica_id: str, reason: str, *, source: str, expected: ReplicaState | None = None
+        self,
+        replica_id: str,
+        reason: str,
+        *,
+        source: str,
+        expected: ReplicaState | None = None,
+        token: int | None = None,
     ) -> ReplicaState:
-        """Move a replica to TAINTED from any state (or only from ``expected``).
+        """Move a replica to TAINTED from any state (or only from ``expected``). Returns the
+        previous state.
 
-        Needs no lease: it only closes admissions. Returns the previous state.
+        Closing admissions needs no lease (routers and operators taint without one); the
+        updater passes its ``token``, and a token that no longer holds the lease is refused
+        (:class:`StaleFencingToken`): a fenced-out updater writes nothing.
         """
-        out = await self._durable(
+        out = await self.run_durable(
             self._taint,
-            [self.k.replica(replica_id), self.k.journal],
-            [replica_id, reason, source, self._maxlen, "" if expected is None else expected.value],
+            [self.k.replica(replica_id), self.k.journal, self.k.lease, self.k.version],
+            [
+                replica_id,
+                reason,
+                source,
+                self.journal_maxlen,
+                "" if expected is None else expected.value,
+                "" if token is None else token,
+                self.k.changes,
+            ],
         )
+        if token is not None:
+            self._check_token(out, token)
         if out[0] == "unknown":
             raise NotFound(f"unknown replica {replica_id}", replica=replica_id)
         if out[0] == "conflict":
@@ -428,14 +452,22 @@ class RedisStore(StoreClient):
     # ---------------------------------------------------------------- generations
 
     async def declare_generation(self, record: GenerationRecord, token: int) -> bool:
-        """Record a generation before rolling it out. Returns False if already declared
-        identically; raises :class:`StoreConflict` for a different record, a number that is not
+        """Record a generation before rolling it out (only the newest
+        ``generation_records_max`` are kept). Returns False if already declared identically;
+        raises :class:`StoreConflict` for a different record, a number that is not
         newer than the published generation, or a label another generation already has."""
         gen = record.generation
-        out = await self._durable(
+        out = await self.run_durable(
             self._declare,
             [self.k.generations, self.k.lease, self.k.latest, self.k.journal, self.k.labels],
-            [gen.number, record.model_dump_json(), token, self._maxlen, gen.label],
+            [
+                gen.number,
+                record.model_dump_json(),
+                token,
+                self.journal_maxlen,
+                gen.label,
+                self.settings.generation_records_max,
+            ],
         )
         self._check_token(out, token)
         if out[0] == "label_taken":
@@ -458,131 +490,32 @@ class RedisStore(StoreClient):
 
     async def label_owner(self, label: str) -> int | None:
         """The declared generation named ``label``, if any."""
-        raw = await self._call(lambda: self.r.hget(self.k.labels, label))
+        raw = await self.call(lambda: self.r.hget(self.k.labels, label))
         return None if raw is None else int(raw)
 
     async def generation_record(self, number: int) -> GenerationRecord:
-        raw = await self._call(lambda: self.r.hget(self.k.generations, str(number)))
+        raw = await self.call(lambda: self.r.hget(self.k.generations, str(number)))
         if raw is None:
             raise NotFound(f"generation {number} was never declared", generation=number)
         return GenerationRecord.model_validate_json(raw)
 
+    async def newest_declared(self) -> int | None:
+        """The highest declared generation number (None before the first); reads the numbers
+        only, of at most ``generation_records_max`` records."""
+        numbers: list[str] = await self.call(lambda: self.r.hkeys(self.k.generations))
+        return max((int(n) for n in numbers), default=None)
+
     async def generation_records(self) -> list[GenerationRecord]:
-        raw: dict[str, str] = await self._call(lambda: self.r.hgetall(self.k.generations))
+        raw: dict[str, str] = await self.call(lambda: self.r.hgetall(self.k.generations))
         recs = [GenerationRecord.model_validate_json(v) for v in raw.values()]
         return sorted(recs, key=lambda r: r.generation.number)
 
     async def latest(self) -> tuple[Generation, str] | None:
         """The published generation and its identity digest, or None before the first."""
-        h: dict[str, str] = await self._call(lambda: self.r.hgetall(self.k.latest))
+        h: dict[str, str] = await self.call(lambda: self.r.hgetall(self.k.latest))
         if not h:
             return None
         return Generation(number=int(h["number"]), label=h["label"]), h.get("identity", "")
-
-    # ---------------------------------------------------------------- reads
-
-    async def replica(self, replica_id: str) -> ReplicaRecord:
-        recs = await self._replicas([replica_id])
-        if not recs:
-            raise NotFound(f"unknown replica {replica_id}", replica=replica_id)
-        return recs[0]
-
-    async def replicas(self) -> list[ReplicaRecord]:
-        ids: set[str] = await self._call(lambda: self.r.smembers(self.k.replicas))
-        return await self._replicas(sorted(ids))
-
-    async def _replicas(self, ids: Iterable[str]) -> list[ReplicaRecord]:
-        ids = list(ids)
-
-        async def run() -> list[Any]:
-            async with self.r.pipeline(transaction=False) as p:
-                for rid in ids:
-                    p.hgetall(self.k.replica(rid))
-                    p.scard(self.k.active(rid))
-                return list(await p.execute())
-
-        res = await self._call(run)
-        out = []
-        for i, rid in enumerate(ids):
-            h, active = res[2 * i], res[2 * i + 1]
-            if not h:
-                continue
-            out.append(
-                ReplicaRecord(
-                    replica_id=rid,
-                    url=h.get("url", ""),
-                    state=ReplicaState(h["state"]),
-                    generation=int(h["generation"]) if h.get("generation") else None,
-                    label=h.get("label") or None,
-                    identity_digest=h.get("identity") or None,
-                    active=int(active),
-                    capacity=int(h.get("capacity", 64)),
-                    fence=int(h.get("fence", 0)),
-                    reason=h.get("reason", ""),
-                    updated_ms=int(h.get("updated_ms", 0)),
-                    process=h.get("process") or None,
-                )
-            )
-        return out
-
-    async def active_rollouts(self, replica_id: str) -> set[str]:
-        ids: set[str] = await self._call(lambda: self.r.smembers(self.k.active(replica_id)))
-        return ids
-
-    async def binding(self, rollout_id: str) -> Binding:
-        h: dict[str, str] = await self._call(lambda: self.r.hgetall(self.k.binding(rollout_id)))
-        if not h:
-            raise NotFound(f"unknown rollout {rollout_id}", rollout_id=rollout_id)
-        return Binding(
-            rollout_id=h["rollout_id"],
-            replica_id=h["replica_id"],
-            generation=int(h["generation"]),
-            label=h["label"],
-            identity_digest=h.get("identity_digest", ""),
-            state=BindingState(h["state"]),
-            session=h.get("session") == "1",
-            created_ms=int(h["created_ms"]),
-            finished_ms=int(h["finished_ms"]) if h.get("finished_ms") else None,
-            lease_expires_ms=int(h["lease_expires_ms"]) if h.get("lease_expires_ms") else None,
-            prompt_tokens=int(h.get("prompt_tokens", 0)),
-            completion_tokens=int(h.get("completion_tokens", 0)),
-            requests=int(h.get("requests", 0)),
-            reason=h.get("reason", ""),
-            client=h.get("client", ""),
-            deadline_ms=_int_or_none(h.get("deadline_ms")),
-            idle_limit_ms=_int_or_none(h.get("idle_limit_ms")),
-            last_request_ms=_int_or_none(h.get("last_request_ms")),
-        )
-
-    async def journal(
-        self, start: str = "-", end: str = "+", count: int | None = None
-    ) -> list[JournalEntry]:
-        rows = await self._call(lambda: self.r.xrange(self.k.journal, start, end, count=count))
-        return [JournalEntry(str(i), {str(k): str(v) for k, v in f.items()}) for i, f in rows]
-
-    async def memory(self) -> tuple[int, int]:
-        """Redis's ``used_memory`` and ``maxmemory`` in bytes (0: no limit), for the
-        ``rolloutpool_redis_*_bytes`` gauges and alerts."""
-        info = await self._call(lambda: self.r.info("memory"))
-        return int(info["used_memory"]), int(info.get("maxmemory", 0))
-
-    async def generation_outcomes(self) -> dict[int, dict[str, int]]:
-        """Rollouts ended per generation number and final state (counted by RELEASE)."""
-        raw = await self._call(lambda: self.r.hgetall(self.k.gen_outcomes))
-        out: dict[int, dict[str, int]] = {}
-        for field, n in raw.items():
-            gen, _, state = str(field).partition(":")
-            out.setdefault(int(gen), {})[state] = int(n)
-        return out
-
-    async def generation_admissions(self) -> dict[int, int]:
-        """Rollouts admitted per generation number (counted by the ADMIT script)."""
-        raw = await self._call(lambda: self.r.hgetall(self.k.gen_admissions))
-        return {int(g): int(n) for g, n in raw.items()}
-
-    async def leased_rollouts(self) -> int:
-        n: int = await self._call(lambda: self.r.zcard(self.k.leases))
-        return n
 
     # ---------------------------------------------------------------- update records
 
@@ -601,26 +534,26 @@ class RedisStore(StoreClient):
             if old:
                 await self.r.hdel(self.k.updates, *old)
 
-        await self._call(run)
+        await self.call(run)
 
     async def update(self, update_id: str) -> UpdateRecord:
-        raw = await self._call(lambda: self.r.hget(self.k.updates, update_id))
+        raw = await self.call(lambda: self.r.hget(self.k.updates, update_id))
         if raw is None:
             raise NotFound(f"unknown update {update_id}", update_id=update_id)
         return UpdateRecord.model_validate_json(raw)
 
     async def updates(self, limit: int = 100) -> list[UpdateRecord]:
         """The newest ``limit`` update records, newest first."""
-        ids = await self._call(lambda: self.r.zrevrange(self.k.updates_order, 0, limit - 1))
+        ids = await self.call(lambda: self.r.zrevrange(self.k.updates_order, 0, limit - 1))
         if not ids:
             return []
-        raw = await self._call(lambda: self.r.hmget(self.k.updates, ids))
+        raw = await self.call(lambda: self.r.hmget(self.k.updates, ids))
         return [UpdateRecord.model_validate_json(x) for x in raw if x is not None]
 
     # ---------------------------------------------------------------- lease (I8)
 
     def updater_lease(self, owner: str | None = None) -> UpdaterLease:
-        return UpdaterLease(self, owner or uuid.uuid4().hex)
+        return UpdaterLease(self, self.failover, owner or uuid.uuid4().hex)
 
     @staticmethod
     def _check_token(out: list[str], token: int) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-#: How the store runs one redis-py call and translates its errors (``RedisStore._call``).
+#: How the store runs one redis-py call and translates its errors (``StoreClient.call``).
 Call = Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]
 
 
@@ -50,7 +50,7 @@ class ScriptBatcher:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self, script: AsyncScript, keys: list[str], args: list[str]) -> Any:
-        """The script's reply; raises what the store's ``_call`` raises."""
+        """The script's reply; raises what the store's ``call`` raises."""
         if not self._busy:
             self._busy = True
             try:

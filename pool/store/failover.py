@@ -1,5 +1,5 @@
-"""The failover epoch and what routers and the updater do with it (README "Redis that fails
-over").
+"""The failover epoch and what routers and the updater do with it (docs:
+operations/failover.md).
 
 Replication is asynchronous: a failover (or a crash of a lone Redis) can lose writes the old
 primary already acknowledged. The old primary must also stop accepting writes before another
@@ -40,17 +40,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 
 from pool.errors import StoreUnavailable
 from pool.store import scripts
+from pool.store._client import StoreClient
 from pool.types import BindingState
-
-if TYPE_CHECKING:
-    from pool.store._store import RedisStore
 
 EPOCH_SHIFT = 32
 _COUNTER = (1 << EPOCH_SHIFT) - 1
@@ -100,10 +98,19 @@ class Epoch:
     settled: bool = field(default=True, compare=False)
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a router's heartbeat returns: the live routers' verified epochs and the view's
+    version (``''`` before the first change)."""
+
+    routers: dict[str, int]
+    version: str
+
+
 class Failover:
     """Epoch reads and the router registry of one store. Safe for concurrent tasks."""
 
-    def __init__(self, store: RedisStore, sentinel: Sentinel | None) -> None:
+    def __init__(self, store: StoreClient, sentinel: Sentinel | None) -> None:
         self.store = store
         self.sentinel = sentinel
         reg = store.r.register_script
@@ -115,10 +122,10 @@ class Failover:
         """The current failover epoch. Raises :class:`StoreUnavailable` if no source answers."""
         if self.sentinel is not None:
             return await self._sentinel_epoch(self.sentinel)
-        ident = await self.store._call(self._primary_identity)
+        ident = await self.store.call(self._primary_identity)
         k = self.store.k
-        n = await self.store._call(
-            lambda: self._epoch(keys=[k.epochs, k.journal], args=[ident, self.store._maxlen])
+        n = await self.store.call(
+            lambda: self._epoch(keys=[k.epochs, k.journal], args=[ident, self.store.journal_maxlen])
         )
         return Epoch(int(n), ident, ident.partition(":")[0])
 
@@ -181,9 +188,9 @@ class Failover:
                         p.hget(self.store.k.binding(rid), "state")
                     return list(await p.execute())
 
-            res = await self.store._call(run)
+            res = await self.store.call(run)
             if check:
-                if not _is(epoch, res[0]):
+                if not self.is_primary(epoch, res[0]):
                     return None
                 res = res[1:]
             for rid, state in zip(part, res, strict=True):
@@ -191,17 +198,25 @@ class Failover:
                     out[rid] = state or ""
         return out
 
-    async def heartbeat(self, router_id: str, epoch: int | None, ttl_s: float) -> dict[str, int]:
+    @staticmethod
+    def is_primary(epoch: Epoch, server: dict[str, Any]) -> bool:
+        """Whether the node whose ``INFO server`` this is, is the primary of ``epoch``."""
+        return _is(epoch, server)
+
+    async def heartbeat(self, router_id: str, epoch: int | None, ttl_s: float) -> Heartbeat:
         """Record that ``router_id`` is alive and has verified ``epoch`` (None: it is leaving);
         durable like a fenced write (``wait_replicas``), so a failover cannot drop a router the
-        updater must wait for. Returns every live router's verified epoch."""
+        updater must wait for. Returns every live router's verified epoch and the pool view's
+        version (:mod:`pool.store.feed`). The registration is also what the router's capacity
+        grants live on (:mod:`pool.store.grants`)."""
         k = self.store.k
-        out = await self.store._durable(
+        out = await self.store.run_durable(
             self._router,
-            [k.routers, k.router_epochs],
+            [k.routers, k.router_epochs, k.version],
             [router_id, "" if epoch is None else epoch, max(1, int(ttl_s * 1000))],
         )
-        return {out[i]: int(out[i + 1]) for i in range(0, len(out), 2)}
+        routers = {out[i]: int(out[i + 1]) for i in range(1, len(out), 2)}
+        return Heartbeat(routers, out[0])
 
     async def routers(self) -> dict[str, int]:
         """Every live router's verified epoch (a read: expired ones are left out)."""
@@ -214,7 +229,7 @@ class Failover:
                 p.hgetall(k.router_epochs)
                 return list(await p.execute())
 
-        (secs, usecs), live, epochs = await self.store._call(run)
+        (secs, usecs), live, epochs = await self.store.call(run)
         now_ms = int(secs) * 1000 + int(usecs) // 1000
         return {str(rid): int(epochs.get(rid, 0)) for rid, exp in live if exp > now_ms}
 
@@ -232,7 +247,7 @@ class Failover:
         default aborted, with ``reason``). Returns False if a record exists (it was not lost, or
         is recorded already)."""
         k = self.store.k
-        out = await self.store._script(
+        out = await self.store.run_script(
             self._lost,
             [k.binding(info.rollout_id), k.journal, k.gen_outcomes],
             [
@@ -247,7 +262,7 @@ class Failover:
                 prompt_tokens,
                 completion_tokens,
                 max(1, int(self.store.settings.binding_retention_s * 1000)),
-                self.store._maxlen,
+                self.store.journal_maxlen,
             ],
         )
         return out[0] == "ok"
@@ -263,6 +278,7 @@ def _is(epoch: Epoch, server: dict[str, Any]) -> bool:
 __all__ = [
     "Epoch",
     "Failover",
+    "Heartbeat",
     "describe_token",
     "fencing_token",
     "token_epoch",

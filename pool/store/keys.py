@@ -24,12 +24,18 @@ class Keys:
     epochs = property(lambda self: f"{self.p}:epochs")
     routers = property(lambda self: f"{self.p}:routers")
     router_epochs = property(lambda self: f"{self.p}:routers:epochs")
+    barrier = property(lambda self: f"{self.p}:barrier")
+    version = property(lambda self: f"{self.p}:version")
+    changes = property(lambda self: f"{self.p}:changes")
 
     def replica(self, rid: str) -> str:
         return f"{self.p}:replica:{rid}"
 
     def active(self, rid: str) -> str:
         return f"{self.p}:active:{rid}"
+
+    def granted(self, rid: str) -> str:
+        return f"{self.p}:granted:{rid}"
 
     def binding(self, rollout_id: str) -> str:
         return f"{self.p}:binding:{rollout_id}"

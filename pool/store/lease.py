@@ -6,16 +6,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
 from pool.errors import RolloutPoolError, StaleFencingToken, StoreConflict, StoreUnavailable
-from pool.store.failover import describe_token, fencing_token
-
-if TYPE_CHECKING:
-    from pool.store import RedisStore
+from pool.store._client import StoreClient
+from pool.store.failover import Failover, describe_token, fencing_token
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +36,9 @@ class UpdaterLease:
     may already belong to someone else. :meth:`keep_alive` renews it.
     """
 
-    def __init__(self, store: RedisStore, owner: str) -> None:
+    def __init__(self, store: StoreClient, failover: Failover, owner: str) -> None:
         self.store = store
+        self.failover = failover
         self.owner = owner
         self.ttl_s = store.settings.updater_lease_s
         self.token: int | None = None
@@ -58,9 +56,9 @@ class UpdaterLease:
         (a failover in between: the increment may have gone to either primary) it draws again,
         so the token's epoch is that of the primary that counted ``n``."""
         while True:
-            before = await self.store.failover.epoch()
-            n = int(await self.store._call(lambda: self.store.r.incr(self.store.k.fence)))
-            after = await self.store.failover.epoch()
+            before = await self.failover.epoch()
+            n = int(await self.store.call(lambda: self.store.r.incr(self.store.k.fence)))
+            after = await self.failover.epoch()
             if after.number == before.number:
                 return fencing_token(after.number, n)
             log.warning(
@@ -70,7 +68,7 @@ class UpdaterLease:
     async def acquire(self, blocking_timeout_s: float | None = None) -> int:
         token = await self.draw()
         sent = time.monotonic()
-        ok = await self.store._call(
+        ok = await self.store.call(
             lambda: self._lock.acquire(
                 blocking=True, blocking_timeout=blocking_timeout_s, token=str(token)
             )
@@ -96,10 +94,23 @@ class UpdaterLease:
             )
         return self.token
 
+    async def held(self, timeout_s: float | None = None) -> int | None:
+        """The fencing token once :meth:`require` grants one, waiting up to ``timeout_s``
+        (default: one TTL) for :meth:`keep_alive` to renew or re-acquire a lease that may have
+        lapsed (Redis was away); None if it does not come back (lost, or still away)."""
+        deadline = time.monotonic() + (self.ttl_s if timeout_s is None else timeout_s)
+        while True:
+            try:
+                return self.require()
+            except StaleFencingToken:
+                if time.monotonic() >= deadline:
+                    return None
+            await asyncio.sleep(0.05)
+
     async def extend(self) -> None:
         sent = time.monotonic()
         try:
-            await self.store._call(lambda: self._lock.reacquire())
+            await self.store.call(lambda: self._lock.reacquire())
         except LockError as e:
             self.token = None
             raise StaleFencingToken(f"updater lease lost: {e}") from e
@@ -110,7 +121,7 @@ class UpdaterLease:
         if self.token is None:
             return
         with contextlib.suppress(LockError, RolloutPoolError):
-            await self.store._call(self._lock.release)
+            await self.store.call(self._lock.release)
         self.token = None
         self.valid_until = 0.0
 
@@ -119,7 +130,8 @@ class UpdaterLease:
 
         While Redis is unreachable, retry every ``retry_s`` (no fenced write can proceed
         meanwhile either; :meth:`require` refuses once the local deadline passes). If the lease
-        expired and nobody took it, take it again (a new fencing token). Returns (instead of
+        expired and nobody took it, take it again (a new fencing token; a Redis that cannot
+        answer yet, e.g. still loading after a restart, is waited out). Returns (instead of
         raising) once another updater holds it: the caller must stop acting.
         """
         while True:
@@ -133,7 +145,10 @@ class UpdaterLease:
                 except StaleFencingToken:
                     try:
                         token = await self.acquire(blocking_timeout_s=0)
-                    except (StoreConflict, StoreUnavailable):
+                    except StoreUnavailable:  # e.g. a restarted Redis still loading: retry
+                        await asyncio.sleep(retry_s)
+                        continue
+                    except StoreConflict:
                         log.error("updater lease lost to another updater")
                         return
                     log.warning(

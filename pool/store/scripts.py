@@ -4,18 +4,38 @@ above each gives its KEYS, ARGV and return value. Every key a script touches arr
 (all share the pool's hash tag, so one Redis Cluster slot holds them).
 """
 
-# Shared Lua prelude: server clock in ms and a journal append.
+# Shared Lua prelude: server clock in ms, a journal append, the pool-view change feed (bump:
+# the view's version moves and every router hears which replica changed; the version is
+# "<counter>:<server time in us>", so two primaries never hand out one version for different
+# states) and the capacity routers hold in advance on a replica (live_granted: the slots of
+# grants whose router's registration is alive; the others are reclaimed on the spot).
 PRELUDE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function journal(key, maxlen, ...)
   redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'ts', now, ...)
 end
+local function bump(key, channel, rid)
+  local n = redis.call('HINCRBY', key, 'n', 1)
+  local v = n .. ':' .. t[1] .. string.format('%06d', tonumber(t[2]))
+  redis.call('HSET', key, 'v', v)
+  redis.call('PUBLISH', channel, v .. ':' .. rid)
+end
+local function live_granted(granted, routers)
+  local total = 0
+  local g = redis.call('HGETALL', granted)
+  for i = 1, #g, 2 do
+    local exp = tonumber(redis.call('ZSCORE', routers, g[i]) or '0')
+    if exp > now then total = total + tonumber(g[i + 1]) else redis.call('HDEL', granted, g[i]) end
+  end
+  return total
+end
 """
 
 # ADMIT — bind a rollout to a replica if I1 holds, in one step.
 # KEYS[1] replica hash  KEYS[2] active set  KEYS[3] binding  KEYS[4] leases  KEYS[5] latest
 # KEYS[6] journal  KEYS[7] per-generation admission counts  KEYS[8] the client's open sessions
+# KEYS[9] the replica's grants (router id -> slots)  KEYS[10] routers zset
 # ARGV[1] rollout id  ARGV[2] replica id  ARGV[3] lease ttl ms  ARGV[4] max_staleness
 # ARGV[5] min_generation (-1: none)  ARGV[6] exact generation (-1: none)  ARGV[7] session 0|1
 # ARGV[8] journal maxlen  ARGV[9] owner ('' = anyone)  ARGV[10] max age ms (0: none)
@@ -38,7 +58,7 @@ if g < latest - tonumber(ARGV[4]) then return {'refused', 'stale_generation', to
 local ming, exact = tonumber(ARGV[5]), tonumber(ARGV[6])
 if ming >= 0 and g < ming then return {'refused', 'below_min_generation', tostring(g)} end
 if exact >= 0 and g ~= exact then return {'refused', 'generation_mismatch', tostring(g)} end
-if redis.call('SCARD', KEYS[2]) >= tonumber(r[5]) then
+if redis.call('SCARD', KEYS[2]) + live_granted(KEYS[9], KEYS[10]) >= tonumber(r[5]) then
   return {'refused', 'at_capacity', r[5]}
 end
 local quota = tonumber(ARGV[12])
@@ -148,10 +168,12 @@ return {'ok', tostring(exp)}
 # ARGV[9] publish 0|1  ARGV[10] target generation ('' clears)  ARGV[11] target label
 # ARGV[12] target identity  ARGV[13] journal maxlen
 # ARGV[14] identity of the serving process ('' keeps)
+# KEYS[6] view version  KEYS[7] the replica's grants  KEYS[8] routers zset  ARGV[15] change channel
 # Returns {'ok', active} | {'stale_token', holder} | {'conflict', state} | {'active', count}
-#         | {'unknown'}
-# Entering QUIESCED or UPDATING requires zero active bindings (I2). Entering READY with
-# publish=1 moves {ns}:latest to the new generation if it is newer (first replica publishes).
+#         | {'unknown'}   (active: bindings + slots routers hold in live grants)
+# Entering QUIESCED or UPDATING requires zero active bindings and zero granted slots (I2).
+# Entering READY clears an abort of the replica's grants and, with publish=1, moves {ns}:latest
+# to the new generation if it is newer (first replica publishes).
 TRANSITION = (
     PRELUDE
     + """
@@ -160,10 +182,11 @@ if holder ~= ARGV[2] then return {'stale_token', holder or ''} end
 local s = redis.call('HGET', KEYS[1], 'state')
 if not s then return {'unknown'} end
 if s ~= ARGV[3] then return {'conflict', s} end
-local active = redis.call('SCARD', KEYS[3])
+local active = redis.call('SCARD', KEYS[3]) + live_granted(KEYS[7], KEYS[8])
 if (ARGV[4] == 'QUIESCED' or ARGV[4] == 'UPDATING') and active > 0 then
   return {'active', tostring(active)}
 end
+if ARGV[4] == 'READY' then redis.call('HDEL', KEYS[1], 'grants_aborted') end
 redis.call('HSET', KEYS[1], 'state', ARGV[4], 'fence', ARGV[2], 'reason', ARGV[5],
   'updated_ms', now)
 if ARGV[6] ~= '' then
@@ -187,25 +210,34 @@ if ARGV[9] == '1' and ARGV[4] == 'READY' then
       'replica', ARGV[1], 'fence', ARGV[2])
   end
 end
+bump(KEYS[6], ARGV[15], ARGV[1])
 return {'ok', tostring(active)}
 """
 )
 
-# TAINT — close admissions on a replica from any state (no lease needed: it only restricts).
-# KEYS[1] replica hash  KEYS[2] journal
+# TAINT — close admissions on a replica from any state (it only restricts). The updater's own
+# taints are fenced (a fenced-out updater must not write at all: I8); routers' and operators'
+# are not (closing admissions is always safe for them).
+# KEYS[1] replica hash  KEYS[2] journal  KEYS[3] updater lease  KEYS[4] view version
 # ARGV[1] replica id  ARGV[2] reason  ARGV[3] source  ARGV[4] journal maxlen
-# ARGV[5] expected state ('' = any)
-# Returns {'ok', previous} | {'unknown'} | {'conflict', state}
+# ARGV[5] expected state ('' = any)  ARGV[6] fencing token ('' = unfenced)  ARGV[7] change channel
+# Returns {'ok', previous} | {'unknown'} | {'conflict', state} | {'stale_token', holder}
 TAINT = (
     PRELUDE
     + """
+if ARGV[6] ~= '' then
+  local holder = redis.call('GET', KEYS[3])
+  if holder ~= ARGV[6] then return {'stale_token', holder or ''} end
+end
 local s = redis.call('HGET', KEYS[1], 'state')
 if not s then return {'unknown'} end
 if ARGV[5] ~= '' and s ~= ARGV[5] then return {'conflict', s} end
 if s == 'TAINTED' then return {'ok', s} end
 redis.call('HSET', KEYS[1], 'state', 'TAINTED', 'reason', ARGV[2], 'updated_ms', now)
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'fence', ARGV[6]) end
 journal(KEYS[2], ARGV[4], 'type', 'transition', 'replica', ARGV[1], 'from', s, 'to', 'TAINTED',
-  'reason', ARGV[2], 'source', ARGV[3])
+  'reason', ARGV[2], 'source', ARGV[3], 'fence', ARGV[6])
+bump(KEYS[4], ARGV[7], ARGV[1])
 return {'ok', s}
 """
 )
@@ -214,7 +246,7 @@ return {'ok', s}
 # label is unique among declared generations: the span check and cache_salt rely on it).
 # KEYS[1] generations  KEYS[2] updater lease  KEYS[3] latest  KEYS[4] journal  KEYS[5] labels
 # ARGV[1] number  ARGV[2] record JSON  ARGV[3] fencing token  ARGV[4] journal maxlen
-# ARGV[5] label
+# ARGV[5] label  ARGV[6] records kept (the newest: older numbers and their labels go)
 # Returns {'ok'} | {'exists'} (same record) | {'conflict', json} | {'stale_token', holder}
 #         | {'not_newer', latest} | {'label_taken', number}
 DECLARE = (
@@ -234,27 +266,52 @@ if owner and owner ~= ARGV[1] then return {'label_taken', owner} end
 redis.call('HSET', KEYS[5], ARGV[5], ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 journal(KEYS[4], ARGV[4], 'type', 'declare', 'generation', ARGV[1], 'fence', ARGV[3])
+local keep = tonumber(ARGV[6])
+if redis.call('HLEN', KEYS[1]) > keep then
+  local cutoff = tonumber(ARGV[1]) - keep
+  for _, n in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if tonumber(n) <= cutoff then redis.call('HDEL', KEYS[1], n) end
+  end
+  local labels = redis.call('HGETALL', KEYS[5])
+  for i = 1, #labels, 2 do
+    if tonumber(labels[i + 1]) <= cutoff then redis.call('HDEL', KEYS[5], labels[i]) end
+  end
+end
 return {'ok'}
 """
 )
 
-# REGISTER — add a replica (UNINITIALIZED) or update its url/capacity; fenced.
+# REGISTER — add a replica (UNINITIALIZED) or update its url/capacity; fenced. A known replica
+# whose url changes is TAINTED in the same step unless it is UNINITIALIZED, RECOVERING or
+# already TAINTED: another url is another server, which nobody validated, and routers must not
+# admit to it on the old record's word (I1, I6).
 # KEYS[1] replicas set  KEYS[2] replica hash  KEYS[3] updater lease  KEYS[4] journal
+# KEYS[5] view version
 # ARGV[1] replica id  ARGV[2] url  ARGV[3] capacity  ARGV[4] token  ARGV[5] journal maxlen
-# Returns {'ok', state} | {'stale_token', holder}
+# ARGV[6] change channel
+# Returns {'ok', state} (the state after the call) | {'stale_token', holder}
 REGISTER = (
     PRELUDE
     + """
 local holder = redis.call('GET', KEYS[3])
 if holder ~= ARGV[4] then return {'stale_token', holder or ''} end
 redis.call('SADD', KEYS[1], ARGV[1])
-local s = redis.call('HGET', KEYS[2], 'state')
+local r = redis.call('HMGET', KEYS[2], 'state', 'url')
+local s = r[1]
 if not s then
   s = 'UNINITIALIZED'
   redis.call('HSET', KEYS[2], 'state', s, 'fence', ARGV[4], 'reason', '', 'updated_ms', now)
   journal(KEYS[4], ARGV[5], 'type', 'register', 'replica', ARGV[1], 'url', ARGV[2])
+elseif r[2] ~= ARGV[2] and s ~= 'UNINITIALIZED' and s ~= 'RECOVERING' and s ~= 'TAINTED' then
+  local why = 'registered at a new address: a server nobody validated'
+  redis.call('HSET', KEYS[2], 'state', 'TAINTED', 'fence', ARGV[4], 'reason', why,
+    'updated_ms', now)
+  journal(KEYS[4], ARGV[5], 'type', 'transition', 'replica', ARGV[1], 'from', s, 'to', 'TAINTED',
+    'reason', why, 'source', 'updater', 'fence', ARGV[4])
+  s = 'TAINTED'
 end
 redis.call('HSET', KEYS[2], 'url', ARGV[2], 'capacity', ARGV[3])
+bump(KEYS[5], ARGV[6], ARGV[1])
 return {'ok', s}
 """
 )
@@ -283,8 +340,10 @@ return top + 1
 # ROUTER — a router's heartbeat: it is alive and has verified its in-flight bindings in an
 # epoch; routers whose heartbeat expired are dropped.
 # KEYS[1] routers zset (router id -> expiry ms)  KEYS[2] router epochs hash (id -> epoch)
+# KEYS[3] view version
 # ARGV[1] router id  ARGV[2] verified epoch ('' = leaving: drop the router)  ARGV[3] ttl ms
-# Returns {id1, epoch1, id2, epoch2, ...} of the live routers
+# Returns {view version ('' before the first change), id1, epoch1, id2, epoch2, ...} of the
+# live routers (the version is the routers' safety net under the change feed)
 ROUTER = (
     PRELUDE
     + """
@@ -299,7 +358,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
   redis.call('ZREM', KEYS[1], id)
   redis.call('HDEL', KEYS[2], id)
 end
-local out = {}
+local out = {redis.call('HGET', KEYS[3], 'v') or ''}
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   out[#out + 1] = id
   out[#out + 1] = redis.call('HGET', KEYS[2], id) or '0'

@@ -38,6 +38,7 @@ from pool.web.handlers import (
     metrics_handler,
     openapi_handler,
     pool_handler,
+    public_reason,
     read_pool_view,
 )
 from pool.web.responses import dumpb, dumps, json_response, loads
@@ -70,6 +71,7 @@ __all__ = [
     "metrics_handler",
     "openapi_handler",
     "pool_handler",
+    "public_reason",
     "read_json_object",
     "read_pool_view",
     "run",

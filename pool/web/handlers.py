@@ -18,6 +18,7 @@ it). A service sets all three (the store in a cleanup context, while the app run
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +39,16 @@ log = logging.getLogger("pool.web")
 STORE = web.AppKey("store", RedisStore)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 POOL_GAUGES = web.AppKey("pool_gauges", PoolGauges)
+
+
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"),]+", re.IGNORECASE)
+_PATH = re.compile(r"(?<![^\s(='\"\[])/[^\s'\"),]+")
+
+
+def public_reason(reason: str) -> str:
+    """A replica's reason as anyone may read it: URLs and absolute paths (a replica's address,
+    a checkpoint's location) replaced by ``<url>`` and ``<path>``. The admin sees it whole."""
+    return _PATH.sub("<path>", _URL.sub("<url>", reason))
 
 
 class PublishedGeneration(BaseModel):
@@ -68,7 +79,8 @@ class PoolView(BaseModel):
 
 
 async def read_pool_view(store: RedisStore, max_staleness: int, *, urls: bool) -> PoolView:
-    """The pool as the store has it now (not a cached view); replica URLs only with ``urls``.
+    """The pool as the store has it now (not a cached view); replica URLs, and reasons with
+    the URLs and paths they name, only with ``urls`` (:func:`public_reason` otherwise).
     Raises ``StoreUnavailable``."""
     replicas = await store.replicas()
     latest = await store.latest()
@@ -80,7 +92,13 @@ async def read_pool_view(store: RedisStore, max_staleness: int, *, urls: bool) -
         ),
         max_staleness=max_staleness,
         replicas=[
-            ReplicaSummary.model_validate({**r.model_dump(), "url": r.url if urls else None})
+            ReplicaSummary.model_validate(
+                {
+                    **r.model_dump(),
+                    "url": r.url if urls else None,
+                    "reason": r.reason if urls else public_reason(r.reason),
+                }
+            )
             for r in replicas
         ],
     )

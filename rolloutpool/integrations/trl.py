@@ -1,7 +1,7 @@
 """TRL's ``GRPOTrainer``, unmodified, training through the pool (``trl==1.16.0``).
 
 Generation goes through the router, policy updates go to the updater; nothing of TRL is patched.
-Two public TRL extension points carry it (README "Use with your trainer" says why these and not
+Two public TRL extension points carry it (docs: guides/trainers.md says why these and not
 TRL's vLLM server mode, whose weight sync needs CUDA and a single server)::
 
     from trl import GRPOConfig, GRPOTrainer
@@ -20,23 +20,24 @@ TRL's vLLM server mode, whose weight sync needs CUDA and a single server)::
     trainer.train()
     link.close()
 
-**Generation** (:meth:`PoolLink.rollout_func`, TRL's ``rollout_func`` hook, called in the
-training thread; it blocks until every completion is back). TRL hands over each process's prompt
-slice, in which each prompt appears ``num_generations`` times in a row (TRL's sampler repeats it).
-Every run of identical prompts — one GRPO group — is one ``POST /inference/v1/generate`` with
-``n`` = the run's length, so **a group is one rollout, bound to one committed generation**, and
-its baseline compares samples of one policy. Groups go out concurrently (``concurrency``), so the
-router spreads them over the replicas. vLLM's per-token ``weight_versions`` spans on that
-endpoint are checked twice: by the router (I7: a contradiction is refused with 502) and here
-(every choice must carry exactly one span naming the bound label; anything else raises
-:class:`ProvenanceError`: it would be a pool bug). Replicas older than vLLM 0.32 (e.g. 0.26 on
-GPUs) report no spans: a choice without the field is unchecked (:attr:`Sample.spans` None) and
-the router's binding alone says which generation produced it; such answers are accepted only
-with ``require_spans=False``. An answer the pool refuses — 503 (no admissible
-replica, binding ended by a drain deadline), 502, 504 or a transport error — delivered nothing,
-so it is retried (new rollout) until ``retry_s``; it is counted in :attr:`PoolLink.refused`.
-Other statuses raise :class:`PoolRolloutError`. Sampling settings are the trainer's
-(``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+**Generation** (:meth:`PoolLink.rollout_func`, TRL's ``rollout_func`` hook, called in the training
+thread; it blocks until every completion is back). TRL hands over each process's prompt slice, in
+which each prompt appears ``num_generations`` times in a row (TRL's sampler repeats it). Every run
+of identical prompts — one GRPO group — is one ``POST /inference/v1/generate`` with ``n`` = the
+run's length, so **a group is one rollout, bound to one committed generation**, and its baseline
+compares samples of one policy (the router charges it ``n`` slots of its replica's capacity; a group
+larger than any replica's capacity is refused, 400 ``too_many_sequences``). Groups go out
+concurrently (``concurrency``), so the router spreads them over the replicas. vLLM's per-token
+``weight_versions`` spans on that endpoint are checked twice: by the router (I7: a contradiction is
+refused with 502) and here (every choice must carry exactly one span naming the bound label;
+anything else raises :class:`ProvenanceError`: it would be a pool bug). Replicas older than vLLM
+0.32 (e.g. 0.26 on GPUs) report no spans: a choice without the field is unchecked
+(:attr:`Sample.spans` None) and the router's binding alone says which generation produced it; such
+answers are accepted only with ``require_spans=False``. An answer the pool refuses — 503 (no
+admissible replica, binding ended by a drain deadline), 502, 504 or a transport error — delivered
+nothing, so it is retried (new rollout) until ``retry_s``; it is counted in
+:attr:`PoolLink.refused`. Other statuses raise :class:`PoolRolloutError`. Sampling settings are the
+trainer's (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
 ``max_completion_length``) plus ``sampling`` (e.g. ``{"ignore_eos": True}``).
 
 **What the trainer sees per sample.** Besides ``prompt_ids``, ``completion_ids`` and the sampler's
@@ -66,7 +67,18 @@ the main process pushes; every process reads policy steps from the labels). ``wa
 blocks the step until every replica serves the new generation (the next step's samples are
 on-policy); ``wait=False`` returns at once and waits for the previous update only before the next
 push (at most one in flight). The time the training
-loop stood still for each update is :attr:`Update.stall_s`. A failed update raises
+loop stood still for each update is :attr:`Update.stall_s`.
+
+**From GPU memory** (``weights_from="gpu_memory"``, the trainer on the replicas' GPU or node
+and the pool's transport ``ipc_direct``): instead of saving first, the callback stages the
+model's weights on its GPU (:meth:`updater.client.UpdaterClient.push_module`: one
+device-to-device copy, :attr:`Update.staging_copy_s`) and returns; the checkpoint is written
+*from the staged copy* in the background and confirmed (fsynced) before the update is
+submitted, the probe computed from it, and the replicas copy the weights from the staged copy
+over CUDA IPC. That checkpoint is the generation's recovery source when the staged copy is gone
+(two copies are kept: the latest published one stays while the next rolls). With
+``wait=False`` the stall per update is the staging copy plus waiting for the previous update if
+it has not ended yet. A failed update raises
 :class:`updater.client.UpdateFailed` from the callback, which stops training; the pool keeps
 serving the last committed generation and the checkpoint stays on disk.
 
@@ -91,13 +103,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
 from pool.errors import RolloutPoolError
 from updater.client import UpdaterClient
 from updater.probe import probe_from_checkpoint, probe_from_model
+
+if TYPE_CHECKING:
+    from updater.transports.ipc.pusher import StagedPush
 
 try:
     from transformers import TrainerCallback
@@ -163,6 +178,7 @@ class Update:
     checkpoint: str
     stall_s: float  # time the training loop stood still in the callback for this push
     rolled_s: float | None = None  # push → every replica serves it (None while in flight)
+    staging_copy_s: float | None = None  # weights_from="gpu_memory": the staging copy
     windows_s: dict[str, float] = field(default_factory=dict)  # per replica QUIESCED→READY
 
 
@@ -203,7 +219,9 @@ class PoolLink:
     vLLM sampling parameters; ``concurrency``: generation requests in flight; ``retry_s``: how
     long a refused rollout is retried; ``timeout_s``: one generation request;
     ``update_timeout_s``: one rolling update; ``probe``: keyword arguments of
-    :func:`~updater.probe.probe_from_model`; ``run``: names labels and checkpoint directories.
+    :func:`~updater.probe.probe_from_model`; ``run``: names labels and checkpoint directories;
+    ``weights_from``: ``"checkpoint"`` (saved, then pushed) or ``"gpu_memory"`` (module
+    docstring).
     """
 
     def __init__(
@@ -225,9 +243,13 @@ class PoolLink:
         probe: dict[str, Any] | None = None,
         run: str | None = None,
         require_spans: bool = True,
+        weights_from: Literal["checkpoint", "gpu_memory"] = "checkpoint",
     ) -> None:
         if push_every < 1:
             raise ValueError(f"push_every must be >= 1, got {push_every}")
+        if weights_from not in ("checkpoint", "gpu_memory"):
+            raise ValueError(f"weights_from must be checkpoint or gpu_memory, not {weights_from!r}")
+        self.weights_from = weights_from
         self.run = run or f"trl-{uuid.uuid4().hex[:8]}"
         self.checkpoint_dir = Path(checkpoint_dir).resolve() / self.run
         self.push_every = push_every
@@ -247,6 +269,9 @@ class PoolLink:
         self._lock = threading.Lock()
         self._base: tuple[str, int] | None = None  # (label, step) without sync_on_start
         self._in_flight: tuple[dict[str, Any], float] | None = None  # (record, pushed at)
+        # weights_from="gpu_memory": the push still in the background, its step, when it began
+        # and the callback's stall so far
+        self._staged: tuple[StagedPush, int, float, float] | None = None
         self.samples: list[Sample] = []
         self.updates: list[Update] = []
         self.refused: Counter[str] = Counter()  # retried answers by error code
@@ -457,6 +482,9 @@ class PoolLink:
     def _push(self, model: Any, processing_class: Any, step: int) -> None:
         t0 = time.monotonic()
         self._settle()  # at most one update in flight
+        if self.weights_from == "gpu_memory":
+            self._push_from_memory(model, processing_class, step, t0)
+            return
         ckpt = self._save(model, processing_class, step)
         if next(model.parameters()).device.type == "cpu":
             probe = probe_from_model(model, seed=step, **self.probe)
@@ -481,8 +509,47 @@ class PoolLink:
             self._settle()
         self.updates[-1] = replace(self.updates[-1], stall_s=time.monotonic() - t0)
 
+    def _push_from_memory(self, model: Any, processing_class: Any, step: int, t0: float) -> None:
+        """Stage ``model`` and leave the rest to the background (module docstring)."""
+
+        def save_extra(d: Path) -> None:
+            model.config.save_pretrained(str(d))
+            if processing_class is not None:
+                processing_class.save_pretrained(str(d))
+
+        staged = self._updater.push_module(
+            model,
+            self.checkpoint_dir / f"step-{step:06d}",
+            probe=functools.partial(probe_from_checkpoint, seed=step, **self.probe),
+            step=step,
+            label=f"{self.run}-step{step}",
+            trainer_run=self.run,
+            save_extra=save_extra,
+        )
+        self._staged = (staged, step, t0, time.monotonic() - t0)
+        if self.wait:
+            self._settle()
+            self.updates[-1] = replace(self.updates[-1], stall_s=time.monotonic() - t0)
+
     def _settle(self) -> None:
         """Wait for the update in flight (if any); raises UpdateFailed if it did not succeed."""
+        if self._staged is not None:
+            staged, step, t0, stall = self._staged
+            self._staged = None
+            rec = staged.record(timeout_s=self.update_timeout_s)
+            self._in_flight = (rec, t0)
+            self.updates.append(
+                Update(
+                    step=step,
+                    generation=int(rec["generation"]),
+                    label=rec["label"],
+                    identity_digest=rec["identity_digest"],
+                    update_id=rec["id"],
+                    checkpoint=str(staged.checkpoint),
+                    stall_s=stall,
+                    staging_copy_s=staged.stall_s,
+                )
+            )
         if self._in_flight is None:
             return
         rec, pushed = self._in_flight

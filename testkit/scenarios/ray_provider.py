@@ -47,6 +47,7 @@ from pool.launcher import ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaRecord, ReplicaState
+from testkit.procs import bounded
 from testkit.ray_cluster import RayCluster, RayNode
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios import rolling
@@ -59,6 +60,7 @@ from updater.settings import ReplicaConfig, UpdaterSettings
 
 S = ReplicaState
 NAMESPACE = rolling.NAMESPACE  # the router started by rolling.start_router reads this one
+PUSH_S = 330.0  # rolling.push gives up after 300 s; past this, something else hangs
 
 
 @dataclass
@@ -219,7 +221,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         provider = up.provider
         assert isinstance(provider, RayProvider)
         t0 = time.monotonic()
-        await up.start()
+        async with bounded("placement", p.placement_timeout_s + p.recovery_timeout_s):
+            await up.start()
         result["place_s"] = round(time.monotonic() - t0, 1)
         nodes = {n["NodeID"]: (n.get("Labels") or {}).get("rp") for n in ray.nodes() if n["Alive"]}
         placed = {rid: nodes.get(await _node_of(provider, rid)) for rid in ("r0", "r1")}
@@ -241,7 +244,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         g, updates = 1, []
         for _ in range(p.generations):
             t0 = time.monotonic()
-            updates.append(await rolling.push(up, g))
+            async with bounded(f"update to g{g}", PUSH_S):
+                updates.append(await rolling.push(up, g))
             run.windows.append((t0, time.monotonic()))
             print(f"g{g}: {updates[-1]['state']}; rollouts so far {len(run.rollouts)}", flush=True)
             g += 1
@@ -255,7 +259,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         actor = ray.get_actor(provider.actor_name("r1"), namespace=NAMESPACE)
         t0 = time.monotonic()
         ray.kill(actor, no_restart=True)
-        kill = await _recovered(store, "r1", before.process, t0, p.recovery_timeout_s)
+        async with bounded("actor kill recovery", p.recovery_timeout_s + 90):
+            kill = await _recovered(store, "r1", before.process, t0, p.recovery_timeout_s)
         kill["old_actor"] = old_actor
         kill["new_actor"] = await provider.incarnation("r1")
         kill["restarts"] = up.replicas["r1"].restarts
@@ -268,7 +273,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             served_before = len(run.rollouts)
             t0 = time.monotonic()
             killed = cluster.kill_node("b")
-            loss = await _recovered(store, "r1", before.process, t0, p.recovery_timeout_s)
+            async with bounded("node loss recovery", p.recovery_timeout_s + 90):
+                loss = await _recovered(store, "r1", before.process, t0, p.recovery_timeout_s)
             loss["processes_killed"] = len(killed)
             alive = {
                 n["NodeID"]: (n.get("Labels") or {}).get("rp") for n in ray.nodes() if n["Alive"]
@@ -280,15 +286,18 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             result["node_loss"] = loss
             print(f"node loss: {loss}", flush=True)
             # one more update with r1 on its new node
-            updates.append(await rolling.push(up, g))
+            async with bounded(f"update to g{g} after the node loss", PUSH_S):
+                updates.append(await rolling.push(up, g))
             result["update_after_node_loss"] = updates[-1]["state"]
             g += 1
 
         stop.set()
-        await asyncio.gather(*bg)
+        async with bounded("the load's end", 150):
+            await asyncio.gather(*bg)
         bg = []
         if p.no_room:
-            result["no_room"] = await _no_room(cluster.address, base)
+            async with bounded("the no-room placement", 120):
+                result["no_room"] = await _no_room(cluster.address, base)
         await asyncio.sleep(4)  # let the router's reaper settle anything left
         bad = rolling.cross_generation(run.rollouts)
         result.update(

@@ -12,11 +12,14 @@ writes the ``soak`` section):
   error, never a hang), the bindings' final state and reason, and the time until r1 is back
   READY on the latest generation.
 * ``replica_hang``: the same with SIGSTOP: only the health deadline can notice it.
-* ``redis_outage``: Redis restarted, and separately stopped for 10 s, under load. Requests
-  while it is away must be refused (503) — ``admissions_during`` counts the ones that were
-  not, and must be 0; an update pushed meanwhile must not start; bindings recorded before the
-  restart must still be there after it (AOF); afterwards the pool serves and updates again by
-  itself.
+* ``redis_outage``: Redis restarted, and separately stopped for 10 s, under load. The router
+  goes on admitting one-request rollouts under the capacity grants it holds, and delivers
+  their answers, only while its last heartbeat is under ``failover_grace_s / 2`` old (no weight
+  can change before its grants lapse); past that it must refuse (503):
+  ``admitted_past_bound`` counts answers delivered later than that bound after Redis went
+  away, and must be 0 (``admissions_during`` counts all of them). An update pushed meanwhile
+  must not start; bindings recorded before the restart must still be there after it (AOF);
+  afterwards the pool serves and updates again by itself.
 * ``fuzz``: schemathesis against the updater's and the router's ``/openapi.json`` (loopback,
   bounded examples): server errors other than documented ones, and bindings leaked afterwards.
 """
@@ -54,6 +57,7 @@ from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
 
 S = ReplicaState
+FAILOVER_GRACE_S = 10.0  # the router's: it delivers under its grants for half this unheartbeated
 USER, PASSWORD, ADMIN = "rolloutpool", "s3cret-redis-pass", "reliability-admin"
 
 
@@ -111,6 +115,7 @@ async def start_env(workdir: Path) -> Env:
             "ROLLOUTPOOL_REDIS_USERNAME": USER,
             "ROLLOUTPOOL_REDIS_PASSWORD": PASSWORD,
             "ROLLOUTPOOL_REDIS_SOCKET_TIMEOUT_S": "1.0",
+            "ROLLOUTPOOL_REDIS_FAILOVER_GRACE_S": str(FAILOVER_GRACE_S),
             "ROLLOUTPOOL_ROUTER_ADMISSION_WAIT_S": "2",
             "ROLLOUTPOOL_ROUTER_ADMIN_TOKEN": ADMIN,
         },
@@ -338,6 +343,8 @@ async def _outage(
     env.redis = await asyncio.to_thread(redis_server(env.workdir, port).start)
     during = [x for x in log if x[0] > t_down + 0.05 and x[1] < t_up]
     admitted = [x for x in during if x[2] == 200]
+    # the router's last heartbeat was before t_down: it may deliver under its grants until then
+    past_bound = [x for x in admitted if x[1] > t_down + FAILOVER_GRACE_S / 2]
     lost = 0
     for rid in before[-200:]:
         for _ in range(50):
@@ -359,6 +366,7 @@ async def _outage(
         "down_s": round(t_up - t_down, 1),
         "requests_during": len(during),
         "admissions_during": len(admitted),
+        "admitted_past_bound": len(past_bound),
         "refusals_during": sorted({x[3] for x in during if x[2] != 200}),
         "update_push_during": push_during,
         "bindings_checked": min(200, len(before)),
@@ -384,6 +392,8 @@ async def redis_outage(env: Env) -> dict[str, Any]:
         "restart": restart,
         "stopped_10s": stopped,
         "admissions_during": restart["admissions_during"] + stopped["admissions_during"],
+        "admitted_past_bound": restart["admitted_past_bound"] + stopped["admitted_past_bound"],
+        "bound_s": FAILOVER_GRACE_S / 2,
         "bindings_lost_after_restart": (
             restart["bindings_lost_after_restart"] + stopped["bindings_lost_after_restart"]
         ),

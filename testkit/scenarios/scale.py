@@ -13,8 +13,11 @@ generation it was bound to).
 Phases of :func:`scenario` (this process is the client; its load goes round-robin over the
 routers, closed loop, ``concurrency`` workers):
 
-1. **idle** (``idle_s``): Redis commands/s and CPU with no load: the background (routers'
-   reapers, the updater's lease and health loop).
+1. **idle** (``idle_s``, after ``settle_s`` for the routers to take their grants): Redis
+   commands/s (``INFO commandstats``: scripts' own commands included) and CPU with no load:
+   the background (routers' heartbeats, which carry the pool view's version, and reapers; the
+   updater's lease and health loop). The view itself comes by change feed, so none of it
+   should grow with N.
 2. **steady** (``steady_s``): single-request rollouts only, no update. Measured: rollouts/s,
    the routers' CPU (``/proc``, :func:`bench._proc`-style schedstat sums) per 1,000 rollouts,
    Redis CPU (``INFO cpu``) and commands (``INFO commandstats``, which counts the commands
@@ -86,7 +89,8 @@ class Params:
     request_tps: float = 400.0  # tokens/s per request: 16 tokens in 40 ms
     transfer_s: float = 0.5  # reload_weights seconds on a stand-in
     capacity: int = 64
-    idle_s: float = 2.0
+    idle_s: float = 5.0
+    settle_s: float = 5.0
     steady_s: float = 8.0
     monitor_s: float = 2.0
     sample_s: float = 0.1
@@ -471,12 +475,20 @@ def _update_row(
             phases.setdefault(name, []).append(secs)
     start, end = rec.get("started_ms"), rec.get("rolled_ms")
     during = [f for t, f in samples if start and end and start <= t <= end]
+    outcomes = Counter(str(rep.get("outcome")) for rep in rec["replicas"].values())
+    reasons = Counter(
+        str(rep.get("reason", ""))[:160]
+        for rep in rec["replicas"].values()
+        if rep.get("outcome") not in ("ready", None)
+    )
     roll_s = (end - start) / 1000 if start and end else None
     window = statistics.median(windows) if windows else None
     return {
         "generation": rec["generation"],
         "state": rec["state"],
         "replicas_updated": len(windows),
+        "outcomes": dict(outcomes),
+        "reasons_not_ready": dict(reasons.most_common(5)),
         "roll_s": roll_s,
         "staleness_window_s": rec.get("staleness_window_s"),
         "replica_window_s_median": window,
@@ -528,6 +540,7 @@ async def _run(p: Params, stack: Stack, http: aiohttp.ClientSession) -> dict[str
     markers = {0: marker_token(0)}
     workers: list[asyncio.Task[None]] = []
     try:
+        await asyncio.sleep(p.settle_s)  # grants taken, the views read: the steady background
         w = await _Window(r, stack, load).begin()
         await asyncio.sleep(p.idle_s)
         idle = await w.end()

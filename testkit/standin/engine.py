@@ -25,6 +25,8 @@ new tokens every ``stream_interval_s`` (one chunk may carry several tokens). At 
   belong to neither checkpoint, as the real server does (``vllm-cpu.md`` §5).
 * a reload swaps the weights in place: requests that still hold KV continue on the new weights
   with their stale KV. While the transfer runs nothing progresses (:meth:`block`).
+* ``generation_tokens`` counts each token when it is made (vLLM counts them per engine step), so
+  it stands still while requests are frozen.
 * the ``running``/``waiting`` gauges are published by engine steps only: while the engine is
   paused and idle (or frozen by ``keep``) they keep the values of the moment the pause completed,
   and requests queued while paused are not counted (as observed on vLLM 0.32).
@@ -421,6 +423,7 @@ class SimEngine:
             label = self.label
             start = len(r.tokens)
             r.tokens.extend(r.plan[start - r.plan_start : n - r.plan_start])
+            self.generation_tokens += n - start  # counted as sampled, as vLLM's steps do
             if r.spans and r.spans[-1][0] == label:
                 r.spans[-1][2] = n
             else:
@@ -440,7 +443,6 @@ class SimEngine:
         if r.holds_blocks:
             self._cache_insert(r.prompt + tuple(r.tokens), r.salt, self._kv_identity(r))
             r.holds_blocks = False
-        self.generation_tokens += len(r.tokens)
         r.finish_reason = reason
         r.changed.set()
 

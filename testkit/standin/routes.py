@@ -134,6 +134,11 @@ async def metrics(request: web.Request) -> web.Response:
     for (name, kind, doc), value in zip(_METRICS, values, strict=True):
         full = f"vllm:{name}_total" if kind == "counter" else f"vllm:{name}"
         lines += [f"# HELP {full} {doc}", f"# TYPE {full} {kind}", f"{full}{labels} {value:.1f}"]
+    lines += [
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+        "# TYPE process_start_time_seconds gauge",
+        f"process_start_time_seconds {rep.started_at:.2f}",
+    ]
     return web.Response(
         text="\n".join(lines) + "\n",
         headers={"Content-Type": "text/plain; version=1.0.0; charset=utf-8"},

@@ -17,6 +17,7 @@ import hashlib
 import json
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,8 +35,12 @@ __all__ = ["MIDDLEWARES", "REPLICA", "Faults", "ReplicaConfig", "StandinReplica"
 class Faults(BaseModel):
     """Fault switches of one replica; replace :attr:`StandinReplica.faults` to change them.
 
-    ``hang``: every request is accepted and never answered; ``hang_paths``: the same for these
-    paths only; ``slow_health_s``: ``/health`` answers after that many seconds;
+    ``hang``: every request is accepted and not answered while the switch is on (once it is
+    lifted, held requests are served, as by a SIGSTOPped process resumed); ``hang_paths``: the
+    same for these paths only; ``hang_after``: a path (key) hangs like those once its trigger
+    path (value) has been answered since the switches were set (``{"/is_paused":
+    "/weight_info"}`` holds the first ``is_paused`` after a label was read back, not the ones
+    before it); ``slow_health_s``: ``/health`` answers after that many seconds;
     ``stuck_transfer``: ``reload_weights`` never returns and holds the engine's utility turn
     (pause, resume, ``is_paused``... hang too; ``/health`` stays 200); ``fail_reload``:
     ``reload_weights`` fails with a 500 and leaves the engine poisoned, as a missing path does on
@@ -47,6 +52,7 @@ class Faults(BaseModel):
 
     hang: bool = False
     hang_paths: frozenset[str] = frozenset()
+    hang_after: dict[str, str] = Field(default_factory=dict)
     slow_health_s: float = Field(default=0.0, ge=0)
     stuck_transfer: bool = False
     fail_reload: bool = False
@@ -89,7 +95,11 @@ class StandinReplica:
     def __init__(self, config: ReplicaConfig, runner: web.AppRunner, index: int = 0) -> None:
         self.config = config
         self.index = index
-        self.faults = Faults()
+        self._faults = Faults()
+        self._faults_changed = asyncio.Event()
+        #: paths of ``faults.hang_after`` whose trigger was answered (cleared with the faults)
+        self.armed: set[str] = set()
+        self.started_at = 0.0
         self.time = config.time
         self.model = config.model.expanduser().resolve()
         self.tokenizer = Tokenizer.of(self.model)
@@ -139,6 +149,9 @@ class StandinReplica:
             cache_blocks=self.config.cache_blocks,
         )
         self.poisoned = False
+        # a fresh process's start (prometheus_client's process_start_time_seconds, 0.01 s
+        # resolution): what the updater tells one server process from its successor by
+        self.started_at = max(time.time(), self.started_at + 0.01)
         self.utility = asyncio.Lock()
         self._runner.app[REPLICA][self.port] = self
         site = web.SockSite(self._runner, self._sock)
@@ -170,6 +183,23 @@ class StandinReplica:
             await self.die()
         self.faults = Faults()
         await self.start(model)
+
+    @property
+    def faults(self) -> Faults:
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: Faults) -> None:
+        """New fault switches; requests a lifted hang held are served now (as a process
+        SIGSTOPped and then resumed answers what it had accepted)."""
+        self._faults = faults
+        self.armed = set()
+        self._faults_changed.set()
+        self._faults_changed = asyncio.Event()
+
+    async def faults_changed(self) -> None:
+        """Wait until the fault switches are replaced."""
+        await self._faults_changed.wait()
 
     def close_socket(self) -> None:
         """Release the port for good (after :meth:`die`; the replica cannot start again)."""
@@ -266,12 +296,20 @@ async def _dispatch(request: web.Request, handler: Any) -> web.StreamResponse:
     if replica is None or not replica.alive:
         return await drop(request)  # a replica that died under this connection
     request[SERVING] = replica
+    while (
+        replica.faults.hang
+        or request.path in replica.faults.hang_paths
+        or request.path in replica.armed
+    ):
+        await replica.faults_changed()  # accepted, held until the hang is lifted
     faults = replica.faults
-    if faults.hang or request.path in faults.hang_paths:
-        await asyncio.Event().wait()  # accepted, never answered (until the client gives up)
     if request.path == "/health" and faults.slow_health_s:
         await asyncio.sleep(faults.slow_health_s)
     response: web.StreamResponse = await handler(request)
+    if replica.faults is faults:  # armed by this answer, unless the switches changed meanwhile
+        replica.armed.update(
+            p for p, trigger in faults.hang_after.items() if trigger == request.path
+        )
     return response
 
 

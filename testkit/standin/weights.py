@@ -9,9 +9,14 @@ names, sizes and modification times) and becomes :class:`Weights`:
 * ``marker``: for the project's marker models (:func:`testkit.models.build_marker`: ``lm_head``
   is zero except one positive entry in row ``T``) the token ``T`` they emit for any prompt and
   any temperature, as the real model does; ``None`` for any other checkpoint;
-* ``vocab_size`` and ``eos_token_id`` from ``config.json``.
+* ``vocab_size`` and ``eos_token_id`` from ``config.json``;
+* ``eos_prob``: ``marker_eos_prob`` from ``config.json`` (0.0 if absent), set by the strategies
+  benchmark's markers (:mod:`testkit.scenarios.strategies.models`), whose ``lm_head`` has a second
+  nonzero entry in the EOS row so that vLLM samples EOS with that probability per token at
+  temperature > 0.
 
-Tokens (:func:`plan_tokens`): a marker checkpoint emits its marker; any other emits, from
+Tokens (:func:`plan_tokens`): a marker checkpoint emits its marker (sampled, with ``eos_prob``
+> 0: each token EOS with that probability instead, from the request's nonce); any other emits, from
 position ``start`` on, a pseudo-random sequence seeded by (identity, prompt, ``start``, the
 sampling nonce for temperature > 0, and the identities of weights whose stale KV the request
 reuses). Greedy output is therefore a pure function of (checkpoint bytes, prompt), which
@@ -69,6 +74,7 @@ class Weights:
     marker: int | None
     vocab_size: int
     eos_token_id: int | None
+    eos_prob: float = 0.0
 
     @property
     def digest(self) -> str:
@@ -110,33 +116,45 @@ def _load(path: Path, signature: tuple[tuple[str, int, int], ...]) -> Weights:
     h = hashlib.blake2b(digest_size=16)
     h.update((path / "config.json").read_bytes())
     marker: int | None = None
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    eos_prob = float(config.get("marker_eos_prob", 0.0))
     for file in safetensors_files(path):
         data = file.read_bytes()
         h.update(f"\0{file.name}\0{len(data)}\0".encode())
         h.update(data)
         header = read_header(file)
         if LM_HEAD in header:
-            marker = _marker_row(header[LM_HEAD], data, 8 + struct.unpack("<Q", data[:8])[0])
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+            base = 8 + struct.unpack("<Q", data[:8])[0]
+            skip = eos if eos_prob > 0 and isinstance(eos, int) else None
+            marker = _marker_row(header[LM_HEAD], data, base, skip_row=skip)
     return Weights(
         path=path,
         identity=h.digest(),
         marker=marker,
         vocab_size=int(config.get("vocab_size", 0)) or 1,
         eos_token_id=eos if isinstance(eos, int) else None,
+        eos_prob=eos_prob if marker is not None else 0.0,
     )
 
 
-def _marker_row(entry: dict[str, Any], data: bytes, base: int) -> int | None:
-    """Row ``T`` if ``lm_head`` (rows = vocabulary) has exactly one nonzero element, positive."""
+def _marker_row(
+    entry: dict[str, Any], data: bytes, base: int, *, skip_row: int | None = None
+) -> int | None:
+    """Row ``T`` if ``lm_head`` (rows = vocabulary) has exactly one nonzero element, positive,
+    not counting row ``skip_row`` (the EOS row of a marker with ``marker_eos_prob``)."""
     size = _FLOAT_SIZES.get(entry.get("dtype", ""))
     shape = entry.get("shape")
     if size is None or not isinstance(shape, list) or len(shape) != 2:
         return None
     start, end = entry["data_offsets"]
     blob = data[base + start : base + end]
+    if skip_row is not None and 0 <= skip_row < shape[0]:
+        row = shape[1] * size
+        cleared = bytearray(blob)
+        cleared[skip_row * row : (skip_row + 1) * row] = bytes(row)
+        blob = bytes(cleared)
     first = len(blob) - len(blob.lstrip(b"\0"))
     last = len(blob.rstrip(b"\0")) - 1
     if first > last or first // size != last // size:
@@ -175,7 +193,14 @@ def plan_tokens(
     whose KV cache the request reuses (empty when none). Marker weights ignore all of it.
     """
     if weights.marker is not None:
-        return [weights.marker] * count
+        if weights.eos_prob <= 0 or not nonce or weights.eos_token_id is None:
+            return [weights.marker] * count
+        seed = hashlib.blake2b(
+            weights.identity + prompt + start.to_bytes(4, "little") + nonce, digest_size=16
+        ).digest()
+        draw = random.Random(int.from_bytes(seed, "little")).random
+        p, eos, marker = weights.eos_prob, weights.eos_token_id, weights.marker
+        return [eos if draw() < p else marker for _ in range(count)]
     seed = hashlib.blake2b(
         weights.identity + prompt + start.to_bytes(4, "little") + nonce + stale, digest_size=16
     ).digest()

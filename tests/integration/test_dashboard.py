@@ -10,7 +10,9 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -100,6 +102,24 @@ async def test_dashboard_in_headless_chromium(
     print(f"dashboard screenshot: {shot}")
 
 
+DOM = """JSON.stringify({
+  cells: document.querySelectorAll('#grid .cell').length,
+  states: [...document.querySelectorAll('#grid .cell')]
+    .map((c) => c.dataset.state + ':' + c.textContent),
+  timeline: Number(document.getElementById('timeline').dataset.samples) || 0,
+  rates: Number(document.getElementById('rates').dataset.samples) || 0,
+  updates: document.getElementById('update-summary').rows.length - 1,
+  text: document.body.innerText})"""
+
+
+async def drawn(b: Browser, done: Callable[[dict[str, Any]], bool]) -> str:
+    """The page's state (JSON) once ``done`` holds for it, read every 0.1 s (60 s at most)."""
+    async with asyncio.timeout(60):
+        while not done(json.loads(dom := await b.evaluate(DOM))):
+            await asyncio.sleep(0.1)
+    return dom
+
+
 async def test_dashboard_at_64_standin_replicas(tmp_path: Path) -> None:
     """The dashboard of a 64-replica pool (stand-ins, real Redis, updater and router
     processes), open in headless Chromium while two updates roll in waves of 8 under load:
@@ -117,18 +137,20 @@ async def test_dashboard_at_64_standin_replicas(tmp_path: Path) -> None:
         try:
             async with Browser(tmp_path / "profile") as b:
                 await b.open(stack.router_urls[0] + "/dashboard", width=1100, height=1300)
-                await asyncio.sleep(3.0)  # some history before the first update
+                # some history before the first update: the page has drawn three polls
+                await drawn(b, lambda d: d["timeline"] >= 3)
                 gens = [(await push(http, stack, n, p))["generation"] for n in (1, 2)]
-                await asyncio.sleep(3.0)  # the page polls once a second: it saw the end
-                dom = await b.evaluate(
-                    """JSON.stringify({
-                      cells: document.querySelectorAll('#grid .cell').length,
-                      states: [...document.querySelectorAll('#grid .cell')]
-                        .map((c) => c.dataset.state + ':' + c.textContent),
-                      timeline: Number(document.getElementById('timeline').dataset.samples),
-                      rates: Number(document.getElementById('rates').dataset.samples),
-                      updates: document.getElementById('update-summary').rows.length - 1,
-                      text: document.body.innerText})"""
+                # the page polls once a second: wait until it shows the end (the assertions
+                # below), however slowly a loaded host lets it poll and paint
+                dom = await drawn(
+                    b,
+                    lambda d: (
+                        d["states"] == [f"READY:{gens[-1]}"] * 64
+                        and d["timeline"] >= 5
+                        and d["rates"] >= 5
+                        and d["updates"] >= 2
+                        and f"published generation: {gens[-1]}" in d["text"]
+                    ),
                 )
                 shot = await b.screenshot()
         finally:

@@ -23,7 +23,7 @@ async def test_faults_outages_and_fuzzing(tmp_path: Path) -> None:
         assert f["recovered"], f
     assert r["replica_crash"]["inflight_aborted"] >= 1
     o = r["redis_outage"]
-    assert o["admissions_during"] == 0
+    assert o["admitted_past_bound"] == 0, o  # under grants only while they cannot have lapsed
     assert o["stopped_10s"]["requests_during"] > 0
     assert o["stopped_10s"]["update_push_during"].startswith("refused")
     assert o["bindings_lost_after_restart"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -210,3 +211,24 @@ def test_a_non_safetensors_file_is_refused_without_quoting_its_bytes(tmp_path: P
     with pytest.raises(CheckpointError) as e:
         read_manifest(tmp_path)
     assert str(int.from_bytes(b"SECRETS!", "little")) not in str(e.value)
+
+
+def test_a_hard_linked_shard_is_refused(tmp_path: Path) -> None:
+    """Audit finding: confinement resolved symlinks but not hard links, which have no "inside"
+    (a hard link to any file of the filesystem passed)."""
+    outside = tmp_path / "outside.safetensors"
+    save_file({"w": np.zeros((1,), np.float32)}, str(outside))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.link(outside, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match="hard links"):
+        read_manifest(ckpt)
+
+
+def test_a_truncated_header_does_not_echo_its_declared_length(tmp_path: Path) -> None:
+    """Audit finding: "header truncated (2 of N bytes)" quoted N, eight bytes of the file."""
+    declared = int.from_bytes(b"SECRETS!", "little") % (1 << 20) + 100
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", declared) + b"{}")
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        read_manifest(tmp_path)
+    assert str(declared) not in str(e.value)

@@ -15,12 +15,12 @@ from pool.checkpoint import checkpoint_checksums
 from pool.checksum import (
     MODULUS,
     Checksum,
-    compare,
     from_json,
     tensor_checksums,
     to_json,
     words_checksum,
 )
+from pool.evidence import ChecksumEvidence
 
 
 def by_definition(t: torch.Tensor) -> tuple[int, int]:
@@ -78,18 +78,18 @@ def test_detects_one_flipped_bit_a_stale_slice_and_a_shift() -> None:
 def test_compare_fails_closed_on_any_difference() -> None:
     a = Checksum("bfloat16", (2, 2), 10, 20)
     sent = {"x": a, "y": a}
-    assert compare(sent, dict(sent)).proves_equal
+    assert ChecksumEvidence.compare(sent, dict(sent)).proves_equal
     cases = {
         "mismatched": {"x": a, "y": Checksum("bfloat16", (2, 2), 10, 21)},
         "missing": {"x": a},
         "unexpected": {"x": a, "y": a, "z": a},
     }
     for kind, seen in cases.items():
-        ev = compare(sent, seen)
+        ev = ChecksumEvidence.compare(sent, seen)
         assert not ev.proves_equal and getattr(ev, kind) == 1, kind
         assert ev.examples in (("y",), ("z",))
-    assert not compare({}, {}).proves_equal  # nothing compared proves nothing
-    assert not compare(sent, dict(sent), error="no extension").proves_equal
+    assert not ChecksumEvidence.compare({}, {}).proves_equal  # nothing compared proves nothing
+    assert not ChecksumEvidence.compare(sent, dict(sent), error="no extension").proves_equal
     assert from_json(to_json(sent)) == sent
     with pytest.raises(ValueError):
         from_json({"x": [1, 2]})

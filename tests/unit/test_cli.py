@@ -51,7 +51,7 @@ from updater.settings import ReplicaConfig, UpdaterSettings
 
 TOKEN = "admin-token-for-cli-tests"
 KEY = "client-key-for-cli-tests"
-README = Path(__file__).resolve().parents[2] / "README.md"
+QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "guides" / "quickstart.md"
 
 
 def invoke(args: list[str]) -> Result:
@@ -96,8 +96,8 @@ def test_every_option_has_a_help_line_a_default_and_an_environment_variable(name
     assert invoke([name, "--help"]).exit_code == 0
 
 
-def test_exit_codes_are_listed_in_the_help_and_the_readme() -> None:
-    readme = README.read_text()
+def test_exit_codes_are_listed_in_the_help_and_the_docs() -> None:
+    readme = QUICKSTART.read_text()
     for name in ("push", "status"):
         text = invoke([name, "--help"]).stdout
         for code in ExitCode:
@@ -117,6 +117,100 @@ def test_status_and_push_run_where_testkit_is_not_installed() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == ExitCode.UNREACHABLE, r.stderr
     assert r.stderr.startswith("Error: cannot reach the router at http://127.0.0.1:9")
+
+
+# ------------------------------------------------------------------------ up: config errors
+
+#: (pool.yaml, what the one error line must say): every mistake ends ``up`` before anything
+#: starts, with exit 2, the file, the key and where it belongs.
+CONFIG_MISTAKES = {
+    "a key inside the wrong section (the pool sets it)": (
+        "router: {api_keys: [k1]}",
+        "router.api_keys belongs at the top level, as api_keys, not under router:",
+    ),
+    "a port under its service": (
+        "updater: {port: 9301}",
+        "updater.port belongs at the top level, as updater_port, not under updater:",
+    ),
+    "a section's key at the top level": (
+        "session_lease_s: 5",
+        "unknown key session_lease_s: it belongs under router:",
+    ),
+    "a key under another section": (
+        "router: {drain_timeout_s: 5}",
+        "unknown key router.drain_timeout_s: it belongs under updater:",
+    ),
+    "a misspelt key": ("replicass: 3", "unknown key replicass (did you mean replicas"),
+    "a misspelt section key": (
+        "redis: {sentinals: [h:1]}",
+        "unknown key redis.sentinals (did you mean sentinels",
+    ),
+    "an unknown key": ("colour: blue", "unknown key colour; the keys there are admin_token,"),
+    "an unknown nested key": (
+        "ray: {adress: h:1}",
+        "unknown key ray.adress (did you mean address?)",
+    ),
+    "a key given twice": (
+        "replicas: 1\nfresh: true\nreplicas: 2",
+        "replicas is given twice (lines 1 and 3)",
+    ),
+    "a section key given twice": (
+        "router:\n  max_staleness: 1\n  max_staleness: 2",
+        "router.max_staleness is given twice (lines 2 and 3)",
+    ),
+    "a wrong type": ("replicas: two", "replicas: Input should be a valid integer"),
+    "a wrong type in a section": (
+        "router: {max_staleness: soon}",
+        "router.max_staleness: Input should be a valid integer",
+    ),
+    "a wrong type of section": ("ray: 5", "ray: Input should be a valid dictionary"),
+    "a bad replica value": (
+        "replica: {flavor: tpu}",
+        "replica.flavor: Input should be 'cpu' or 'gpu'",
+    ),
+    "a per-replica field": (
+        "replica: {work_dir: /tmp/x}",
+        "replica.work_dir is set by the pool for each replica: leave it out",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_MISTAKES))
+def test_a_config_mistake_is_one_line_naming_the_file_and_the_key_exit_2(
+    case: str, tmp_path: Path
+) -> None:
+    text, expected = CONFIG_MISTAKES[case]
+    config = tmp_path / "pool.yaml"
+    config.write_text(text + "\n")
+    result = CliRunner().invoke(cli, ["up", "--config", str(config)])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    line = one_error_line(result)
+    assert line.startswith(f"Error: invalid config {config}: "), line
+    assert expected in line, line
+
+
+def test_every_mistake_of_a_config_is_on_its_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "pool.yaml"
+    config.write_text("router: {api_keys: [k1], port: 1}\ncolour: blue\n")
+    result = CliRunner().invoke(cli, ["up", "--config", str(config)])
+    line = one_error_line(result)
+    assert result.exit_code == ExitCode.USAGE
+    assert "router.api_keys belongs at the top level, as api_keys" in line
+    assert "router.port belongs at the top level, as router_port" in line
+    assert "unknown key colour" in line
+
+
+def test_a_bad_value_from_the_environment_names_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLOUTPOOL_ROUTER_MAX_STALENESS", "soon")
+    config = tmp_path / "pool.yaml"
+    config.write_text("replicas: 1\n")
+    result = CliRunner().invoke(cli, ["up", "--config", str(config)])
+    assert result.exit_code == ExitCode.USAGE
+    assert "ROLLOUTPOOL_ROUTER_MAX_STALENESS (from the environment): Input should be a valid " in (
+        one_error_line(result)
+    )
 
 
 # ---------------------------------------------------------------------------------- fixtures

@@ -34,14 +34,17 @@ from pool.errors import NotFound, StaleFencingToken, StoreError
 from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore, token_epoch
+from pool.store.feed import PoolWatch
 from pool.types import BindingState, Generation, ReplicaState
-from router.bindings import Bindings
+from router.bindings import Bindings, Held
 from router.errors import BindingEnded
 from router.failover import FailoverGuard, cuttable
+from router.grants import GrantBook, LocalGrant
 from router.provenance import RolloutInfo
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
 from testkit.redis_ha import SentinelGroup, command
+from tests.helpers import active_rollouts, begin_drain
 from tests.unit.test_router_upstream import FakeVllm, sse
 from updater.failover import EpochGate
 
@@ -64,8 +67,10 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
 
 @pytest.fixture
 async def ha_store(group: SentinelGroup) -> AsyncIterator[RedisStore]:
+    # a router registration (failover_grace_s) that cannot lapse while a failover is staged,
+    # however loaded the machine: the tests stop heartbeating across lose()
     settings = group.store_settings(
-        f"f{uuid.uuid4().hex[:8]}", wait_replicas=0, socket_timeout_s=0.5, failover_grace_s=20
+        f"f{uuid.uuid4().hex[:8]}", wait_replicas=0, socket_timeout_s=0.5, failover_grace_s=600
     )
     store = RedisStore.connect(settings)
     yield store
@@ -172,10 +177,10 @@ async def test_a_lost_fencing_increment_cannot_give_two_updaters_one_token(
     # ... but the epoch orders the tokens, and only the new one writes
     assert t_new > t_old and token_epoch(t_new) > token_epoch(t_old)
     with pytest.raises(StaleFencingToken):
-        await store.begin_drain("r0", t_old, Generation(number=1, label="g1"), "i1")
+        await begin_drain(store, "r0", t_old, Generation(number=1, label="g1"), "i1")
     with pytest.raises(StaleFencingToken):
         await old.extend()
-    await store.begin_drain("r0", t_new, Generation(number=1, label="g1"), "i1")
+    await begin_drain(store, "r0", t_new, Generation(number=1, label="g1"), "i1")
 
 
 async def test_a_renewal_that_finds_the_binding_gone_cuts_the_request(
@@ -293,12 +298,12 @@ async def test_a_request_whose_binding_ends_under_it_is_cut_through_the_router(
     await server.start_server()
     try:
         await publish_ready(store, [("r0", str(server.make_url("")).rstrip("/"))])
-        rs = RouterSettings(admission_wait_s=1.0, request_lease_s=0.6)
+        rs = RouterSettings(admission_wait_s=1.0, request_lease_s=0.6, grants=False)
         async with router_client(rs, store_settings) as c:
             body = {"model": "rolloutpool", "prompt": "hi", "max_tokens": 400, "stream": stream}
             call = asyncio.create_task(c.post("/v1/completions", json=body))
             await f.received.wait()
-            (rid,) = await store.active_rollouts("r0")
+            (rid,) = await active_rollouts(store, "r0")
             await store.release(rid, "r0", BindingState.ABORTED, reason="drain ended")
             r = await asyncio.wait_for(call, 10)
             if stream:
@@ -314,3 +319,51 @@ async def test_a_request_whose_binding_ends_under_it_is_cut_through_the_router(
         assert b.state is BindingState.ABORTED and b.reason == "drain ended"
     finally:
         await server.close()
+
+
+async def test_a_grant_lost_in_a_failover_gets_its_requests_cut_before_any_transfer(
+    group: SentinelGroup, ha_store: RedisStore
+) -> None:
+    """The grant's counterpart of the lost ADMIT: a router's grant the failover lost no longer
+    counts at the new primary while a request runs under it; the gate holds every transfer
+    until the router has verified the new epoch, and verifying finds the grant gone, drops it
+    and cuts the request."""
+    store = ha_store
+    await ready_replica(store)
+    bindings = Bindings(store, RouterMetrics.create(CollectorRegistry()))
+    guard = FailoverGuard(store, bindings)
+    book = GrantBook(store, guard.router_id, slots=2, max_staleness=0, grace_s=20)
+    guard.attach(PoolWatch(store), book)
+    await guard.tick()  # registered, epoch verified
+    epoch0 = bindings.epoch
+    g = await lose(
+        group, store, lambda: store.grants.grant(guard.router_id, "r0", 2, max_staleness=0)
+    )
+    lg = book.grants["r0"] = LocalGrant(g, epoch=epoch0)
+    running = asyncio.Event()
+
+    async def request() -> None:  # a one-request rollout under the lost grant
+        task = asyncio.current_task()
+        assert task is not None
+        held = Held(0.0, 0.0)
+        held.tasks.add(task)
+        book.run(lg, "ro-under-grant", held)
+        running.set()
+        await asyncio.sleep(60)
+
+    task = asyncio.create_task(request())
+    await running.wait()
+    assert (await store.replica("r0")).granted == 0  # the hole, at the new primary
+    gate = EpochGate(store, poll_s=0.02)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(gate.settled(), 0.5)
+    for _ in range(100):
+        await guard.tick()
+        if bindings.epoch != epoch0:
+            break
+        await asyncio.sleep(0.1)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 1)
+    assert "r0" not in book.grants and lg.aborted is not None and "lost" in lg.aborted
+    epoch = await asyncio.wait_for(gate.settled(), 2)
+    assert epoch.number > epoch0 and guard.cut == 1

@@ -8,6 +8,7 @@ import pytest
 
 from pool.errors import IllegalTransition, PostconditionFailed
 from pool.evidence import (
+    GONE,
     BootstrapEvidence,
     CacheResetEvidence,
     ChecksumEvidence,
@@ -24,7 +25,7 @@ from pool.evidence import (
     UpdateCancelled,
     ValidationEvidence,
 )
-from pool.lifecycle import TRANSITIONS, Lifecycle, advance, is_allowed
+from pool.lifecycle import TRANSITIONS, Lifecycle, advance
 from pool.types import Generation, ReplicaState
 
 S = ReplicaState
@@ -64,6 +65,17 @@ def walk(upto: ReplicaState) -> Lifecycle:
         lc = advance(lc, ev)  # type: ignore[arg-type]
         assert lc.state is st
     return lc
+
+
+def test_a_process_replaced_after_validation_is_not_published() -> None:
+    """Found by the fault matrix: a replica restarted by its orchestrator between VALIDATING
+    and the READY commit answered is_paused=false (a fresh process is not paused) and was
+    published on the validated generation while it served what it was started with."""
+    lc = walk(S.RESUMING)
+    assert lc.process == P0  # the bootstrapped process, carried through the update
+    with pytest.raises(PostconditionFailed, match="server process changed"):
+        advance(lc, ResumeEvidence(200, False, process="p1"))
+    assert advance(lc, ResumeEvidence(200, False, process="p0")).state is S.READY
 
 
 def test_happy_path_ends_ready_on_target() -> None:
@@ -146,7 +158,7 @@ def test_illegal_events_raise_and_table_is_complete() -> None:
     events = [e for e, _ in happy_path()] + [UpdateCancelled(None), RecoveryStarted()]
     for state in S:
         for ev in events:
-            if is_allowed(state, type(ev)):
+            if type(ev) is StepFailed or type(ev) in TRANSITIONS[state]:
                 continue
             with pytest.raises(IllegalTransition):
                 advance(Lifecycle(state=state, generation=G0), ev)  # type: ignore[arg-type]
@@ -261,3 +273,23 @@ def test_a_failed_probe_names_what_was_expected_and_what_came_back() -> None:
     lc = walk(S.VALIDATING)
     with pytest.raises(PostconditionFailed, match=r"expected \[5, 6, 7\], got \[5, 9\]"):
         advance(lc, valid(actual=(5, 9)))
+
+
+def test_nothing_is_evidence_against_an_unknown_process() -> None:
+    """Audit finding: an unknown recorded identity counted as replaced, so I6 held only by the
+    reload. Recovery now records the tainted process first (GONE where it no longer ran)."""
+    assert not ProcessIdentity("e1", "a1").replaces(None)
+    lc = Lifecycle(S.RECOVERING, G0, "id0", process=None)
+    ev = BootstrapEvidence(
+        G0,
+        "id0",
+        "0.32.0",
+        valid(G0, label="g0"),
+        completion_ok=True,
+        process=ProcessIdentity("e1"),
+        loaded=True,
+    )
+    with pytest.raises(PostconditionFailed, match="no evidence of a new process"):
+        advance(lc, ev)
+    gone = dataclasses.replace(lc, process=ProcessIdentity(GONE))
+    assert advance(gone, ev).state is S.READY

@@ -6,8 +6,11 @@ invariants after every step:
 
 * I1  an admission succeeds only on a READY replica serving the published generation
       (``max_staleness=0``), and no admission lands in the journal after a replica's DRAINING
-      commit until it is READY again;
-* I2  never QUIESCED/UPDATING/INVALIDATING/VALIDATING/RESUMING with active bindings;
+      commit until it is READY again; a router's grant (capacity held in advance) grows only
+      on such a replica and only out of free capacity (bindings and grants count together);
+* I2  never QUIESCED/UPDATING/INVALIDATING/VALIDATING/RESUMING with active bindings or with
+      slots a router holds (the drain's evidence counts both; a grant is returned, as a
+      router does, when its replica is tainted);
 * I3  never READY on a new generation without a proving cache reset and validation since the
       drain (or a validated fresh bootstrap after recovery);
 * I4  an ambiguous failure never ends READY without a recovery;
@@ -57,9 +60,11 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
 from testkit.redis_server import RedisServer
+from tests.helpers import begin_drain
 
 S = ReplicaState
 REPLICAS = ("r0", "r1")
+ROUTER = "router-m"
 PROBE = (11, 12)
 UPDATE_STATES = {S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING, S.RESUMING}
 
@@ -85,6 +90,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.active: dict[str, set[str]] = {r: set() for r in REPLICAS}
         self.proofs: dict[str, set[str]] = {r: set() for r in REPLICAS}
         self.ambiguous: dict[str, bool] = dict.fromkeys(REPLICAS, False)
+        self.granted: dict[str, int] = dict.fromkeys(REPLICAS, 0)
         self.latest = 0
         self.n = 0
 
@@ -124,6 +130,7 @@ class PoolMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.lease = self.store.updater_lease("machine")
         self.token = self.run(self.lease.acquire())
+        self.run(self.store.failover.heartbeat(ROUTER, 1, 3600))
         for rid in REPLICAS:
             self.run(self.store.register_replica(rid, f"http://{rid}", self.token, capacity=3))
             ev = BootstrapEvidence(
@@ -142,7 +149,7 @@ class PoolMachine(RuleBasedStateMachine):
             lc.state is S.READY
             and lc.generation is not None
             and lc.generation.number == self.latest
-            and len(self.active[rid]) < 3
+            and len(self.active[rid]) + self.granted[rid] < 3
         )
         try:
             adm = self.run(self.store.admit(ro, rid))
@@ -161,6 +168,32 @@ class PoolMachine(RuleBasedStateMachine):
                 assert self.run(self.store.release(ro, rid))
                 ids.discard(ro)
 
+    @rule(rid=st.sampled_from(REPLICAS), slots=st.integers(1, 3))
+    def grant(self, rid: str, slots: int) -> None:
+        """A router sets its grant: shrinking always works, growing needs I1 and capacity."""
+        lc, own = self.lc[rid], self.granted[rid]
+        free = 3 - len(self.active[rid])
+        admissible = (
+            lc.state is S.READY
+            and lc.generation is not None
+            and lc.generation.number == self.latest
+        )
+        expect = slots if slots <= own else (min(slots, free) if admissible else own)
+        try:
+            g = self.run(self.store.grants.grant(ROUTER, rid, slots, max_staleness=0))
+        except AdmissionRefused:
+            assert expect <= own and slots > own, f"refused a grant on {rid} ({lc})"
+            return
+        assert g.slots == expect, f"I1: granted {g.slots} on {rid} in {lc.state}"
+        if slots > own:
+            assert admissible and g.generation == self.latest
+        self.granted[rid] = g.slots
+
+    @rule(rid=st.sampled_from(REPLICAS))
+    def give_back(self, rid: str) -> None:
+        self.run(self.store.grants.give_back(ROUTER, rid))
+        self.granted[rid] = 0
+
     # ------------------------------------------------------------------ control plane
 
     @rule(rid=st.sampled_from(REPLICAS))
@@ -177,8 +210,8 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(rid=st.sampled_from(REPLICAS), paused=st.booleans())
     def observe_drain(self, rid: str, paused: bool) -> None:
         rec = self.run(self.store.replica(rid))
-        ev = DrainEvidence(rec.state is not S.READY, rec.active, paused)
-        assert rec.active == len(self.active[rid])
+        ev = DrainEvidence(rec.state is not S.READY, rec.busy, paused)
+        assert rec.active == len(self.active[rid]) and rec.granted == self.granted[rid]
         self.commit(rid, ev)
 
     @rule(rid=st.sampled_from(REPLICAS), resumed=st.booleans())
@@ -227,6 +260,7 @@ class PoolMachine(RuleBasedStateMachine):
                 for ro in sorted(self.active[rid]):
                     self.run(self.store.release(ro, rid))
                 self.active[rid].clear()
+                self.give_back(rid)  # the routers cut what ran under their grants
         else:
             assert self.lc[rid] == before
 
@@ -277,10 +311,11 @@ class PoolMachine(RuleBasedStateMachine):
             lc = self.lc[rec.replica_id]
             assert rec.state is lc.state
             assert rec.active == len(self.active[rec.replica_id])
+            assert rec.granted == self.granted[rec.replica_id]
             if rec.state is S.READY:
                 assert lc.generation is not None and rec.generation == lc.generation.number
             if rec.state in UPDATE_STATES:
-                assert rec.active == 0, f"I2: {rec.replica_id} {rec.state} with active bindings"
+                assert rec.busy == 0, f"I2: {rec.replica_id} {rec.state} with active bindings"
             if self.ambiguous[rec.replica_id]:
                 assert rec.state is not S.READY, "I4: READY after an ambiguous failure"
 
@@ -317,8 +352,8 @@ def test_store_refuses_conflicting_write_from_a_lagging_controller(
     try:
         m.setup()
         token = m.token
-        m.run(m.store.begin_drain("r0", token, m.gen(1), ident(1)))
+        m.run(begin_drain(m.store, "r0", token, m.gen(1), ident(1)))
         with pytest.raises(StoreConflict):
-            m.run(m.store.begin_drain("r0", token, m.gen(1), ident(1)))
+            m.run(begin_drain(m.store, "r0", token, m.gen(1), ident(1)))
     finally:
         m.teardown()

@@ -16,19 +16,12 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
 from pool.web import BadRequest
-from router.admission import (
-    Admitter,
-    Constraints,
-    GenerationUnsatisfiable,
-    PoolSnapshot,
-    ReplicaView,
-    affinity_key,
-    candidates,
-    check_satisfiable,
-)
+from router.admission import Admitter, PoolSnapshot, ReplicaView, affinity_key, candidates
 from router.bindings import Bindings
+from router.constraints import Constraints, GenerationUnsatisfiable, check_satisfiable
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
+from tests.helpers import until
 
 DEAD = "http://127.0.0.1:1"  # connection refused
 BODY = {"model": "rolloutpool", "prompt": "hello", "max_tokens": 1}
@@ -220,6 +213,10 @@ def settings(**kw: Any) -> RouterSettings:
     return RouterSettings(**base)
 
 
+async def _no_grant(store: RedisStore, replica_id: str) -> bool:
+    return (await store.replica(replica_id)).granted == 0
+
+
 async def test_no_ready_replica_is_503_after_the_wait(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:
@@ -235,6 +232,10 @@ async def test_no_ready_replica_is_503_after_the_wait(
 
         await publish_ready(store, [("r0", DEAD)])
         await store.taint("r0", "test", source="test")
+        # The router hears the taint on its change feed; until then it may still admit under a
+        # grant it took while r0 was READY (weights cannot change under it). Once it has heard,
+        # it has returned that grant.
+        await until(lambda: _no_grant(store, "r0"))
         r = await c.post("/v1/completions", json=BODY)
         assert r.status == 503
         body = await r.json()
@@ -307,9 +308,9 @@ async def test_admitted_then_upstream_unreachable_is_502_and_aborted(
         rid = r.headers["X-Rollout-Id"]
         assert r.headers["X-Rollout-Replica"] == "r0" and r.headers["X-Rollout-Generation"] == "0"
         assert err["rollout"]["id"] == rid
+        r = await c.get(f"/v1/rollouts/{rid}")  # written after the answer: flushed first
+        assert r.status == 200 and (await r.json())["state"] == "aborted"
         b = await store.binding(rid)
         assert b.state is BindingState.ABORTED and b.reason.startswith("upstream unavailable")
-        r = await c.get(f"/v1/rollouts/{rid}")
-        assert r.status == 200 and (await r.json())["state"] == "aborted"
     assert [x.active for x in await store.replicas()] == [0, 0]
     assert await store.leased_rollouts() == 0

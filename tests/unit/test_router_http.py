@@ -374,3 +374,21 @@ async def test_concurrent_requests_with_no_replica_all_get_503(
         )
         assert [r.status for r in rs] == [503] * 10
         assert time.monotonic() - t0 < 3
+
+
+async def test_reasons_name_no_url_or_path_outside_the_admin(
+    store_settings: StoreSettings, store: RedisStore
+) -> None:
+    """Audit finding: a taint reason (a transfer's error) carried the replica's URL and the
+    checkpoint's path onto the public ``/dashboard/data`` and the client's ``/v1/pool``."""
+    await publish_ready(store, [("r0", "http://10.0.0.7:8001")])
+    why = "transfer: reload_weights(/ckpt/step-7) on http://10.0.0.7:8001 reported [1]"
+    await store.taint("r0", why, source="test")
+    async with router_client(settings(), store_settings) as c:
+        data = await (await c.get("/dashboard/data")).json()
+        client = await (await c.get("/v1/pool", headers=AUTH)).json()
+        admin = await (await c.get("/v1/pool", headers=ADMIN_AUTH)).json()
+    public = "transfer: reload_weights(<path>) on <url> reported [1]"
+    assert data["replicas"][0]["reason"] == public
+    assert client["replicas"][0]["reason"] == public
+    assert admin["replicas"][0]["reason"] == why

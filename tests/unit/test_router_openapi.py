@@ -32,3 +32,24 @@ def test_the_data_plane_security_follows_the_client_keys() -> None:
             assert next(iter(doc["paths"][path].values()))["security"] == security
         taint = doc["paths"]["/v1/admin/replicas/{replica_id}/taint"]["post"]
         assert taint["security"] == [{"bearer": []}]
+
+
+def test_the_inference_bodies_require_what_vllm_requires() -> None:
+    # pins: /inference/v1/generate without sampling_params is answered 400 by vLLM, so the
+    # document must not call such a body valid (tests/integration/test_quickstart.py sends
+    # each documented minimal body to vLLM itself)
+    paths = document()["paths"]
+    required = {
+        path: paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"][
+            "required"
+        ]
+        for path in ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+    }
+    assert required == {
+        "/v1/completions": ["prompt"],  # vLLM takes the served model when none is named
+        "/v1/chat/completions": ["messages"],
+        "/inference/v1/generate": ["token_ids", "sampling_params"],
+    }
+    for path, fields in required.items():  # each example is a body the document calls valid
+        example = paths[path]["post"]["requestBody"]["content"]["application/json"]["example"]
+        assert set(fields) <= set(example), path

@@ -13,6 +13,7 @@ from pool.types import BindingState
 from router.keys import STORE
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
+from tests.helpers import active_rollouts
 
 DEAD = "http://127.0.0.1:1"
 BODY = {"model": "rolloutpool", "prompt": "hello", "max_tokens": 1}
@@ -174,7 +175,7 @@ async def test_reaper_aborts_a_killed_routers_request(
     orphan = await store.binding("ro-orphan")
     assert orphan.reason == "lease expired"
     assert (await store.binding("ro-alive")).state is BindingState.ACTIVE
-    assert await store.active_rollouts("r0") == {"ro-alive"}
+    assert await active_rollouts(store, "r0") == {"ro-alive"}
     await store.release("ro-alive", "r0")
 
 

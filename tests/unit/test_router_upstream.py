@@ -33,6 +33,7 @@ from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client, settled
 from testkit.redis_server import RedisServer
 from testkit.standin.protocol import check_cache_salt
+from tests.helpers import active_rollouts
 
 MODEL_PATH = "/fake/models/tiny"
 
@@ -569,12 +570,12 @@ async def test_client_disconnect_while_waiting_aborts_upstream_and_binding(
     f, url = fake
     f.delay_s = 30.0
     await publish_ready(store, [("r0", url)])
-    async with router_client(settings(), store_settings) as c:
+    async with router_client(settings(grants=False), store_settings) as c:
         task = asyncio.create_task(
             c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
         )
         await asyncio.wait_for(f.received.wait(), 5)
-        (rid,) = await store.active_rollouts("r0")
+        (rid,) = await active_rollouts(store, "r0")
         task.cancel()
         await asyncio.wait_for(f.disconnected.wait(), 5)
         for _ in range(100):
@@ -646,7 +647,7 @@ async def test_output_is_withheld_when_the_binding_ends_under_the_request(
     f.delay_s = 0.5
     await publish_ready(store, [("r0", url)])
     req = {"model": "rolloutpool", "prompt": "p"}
-    async with router_client(settings(), store_settings) as c:
+    async with router_client(settings(grants=False), store_settings) as c:
 
         async def abort_when_received() -> list[str]:
             await asyncio.wait_for(f.received.wait(), 5)
@@ -700,7 +701,7 @@ async def test_spans_after_the_binding_ended_do_not_taint(
     f.spans = [{"version": "g1", "start": 0, "end": 3}]  # the weights the updater loaded next
     await publish_ready(store, [("r0", url)])
     req = {"model": "rolloutpool", "prompt": "p"}
-    async with router_client(settings(), store_settings) as c:
+    async with router_client(settings(grants=False), store_settings) as c:
 
         async def abort_when_received() -> list[str]:
             await asyncio.wait_for(f.received.wait(), 5)
@@ -739,7 +740,7 @@ async def test_output_is_withheld_when_the_store_cannot_confirm(
         store = RedisStore.connect(ss)
         await publish_ready(store, [("r0", url)])
         await store.close()
-        async with router_client(settings(), ss) as c:
+        async with router_client(settings(grants=False), ss) as c:
 
             async def stop_redis() -> None:
                 await asyncio.wait_for(f.received.wait(), 5)

@@ -75,6 +75,23 @@ async def test_hang_and_hang_paths_and_slow_health(fleet: StandinFleet, model_a:
         assert time.monotonic() - t0 >= 0.5
 
 
+async def test_hang_after_holds_a_path_only_once_its_trigger_was_answered(
+    fleet: StandinFleet, model_a: Path
+) -> None:
+    """What the fault matrix holds RESUMING with: the ``is_paused`` after the label read-back."""
+    rep = await fleet.add(ReplicaConfig(model=model_a))
+    rep.faults = Faults(hang_after={"/is_paused": "/weight_info"})
+    async with client(rep.url, timeout=0.3) as c:
+        assert (await c.get("/is_paused")).status_code == 200  # not armed yet
+        assert (await c.get("/weight_info")).status_code == 200
+        with pytest.raises(httpx.ReadTimeout):
+            await c.get("/is_paused")
+    assert rep.armed == {"/is_paused"}
+    rep.faults = Faults()  # lifted: nothing stays armed
+    async with client(rep.url) as c:
+        assert rep.armed == set() and (await c.get("/is_paused")).status_code == 200
+
+
 async def test_die_resets_connections_and_restart_is_a_fresh_process(
     fleet: StandinFleet, model_a: Path, model_b: Path
 ) -> None:
@@ -253,3 +270,37 @@ def test_cli_serves_n_replicas_until_terminated(tmp_path: Path, model_a: Path) -
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_a_restart_is_a_new_process_to_the_updater(
+    fleet: StandinFleet, model_a: Path
+) -> None:
+    """Like vLLM, the stand-in exports ``process_start_time_seconds``: the engine client's
+    process identity (what I6 and an updater's adoption check compare) changes with a restart
+    and only then. Without it every stand-in looked like an unidentified process."""
+    rep = await fleet.add(ReplicaConfig(model=model_a))
+    engine = VllmEngine(rep.url, timeout=5)
+    try:
+        first = (await engine.metrics()).process
+        assert first is not None and first == (await engine.metrics()).process
+        await rep.restart()
+        assert (await engine.metrics()).process not in (None, first)
+    finally:
+        await engine.aclose()
+
+
+async def test_a_held_request_is_served_once_the_hang_is_lifted(
+    fleet: StandinFleet, model_a: Path
+) -> None:
+    """A hang holds what it accepted, as a SIGSTOPped server does; lifted (SIGCONT), the held
+    request is answered (the fault matrix holds a cycle in a phase this way)."""
+    rep = await fleet.add(ReplicaConfig(model=model_a))
+    rep.faults = Faults(hang_paths=frozenset({"/reset_prefix_cache"}))
+    async with client(rep.url) as c:
+        held = asyncio.create_task(c.post("/reset_prefix_cache"))
+        await asyncio.sleep(0)  # let it reach the server
+        while not held.done() and (await c.get("/v1/models")).status_code != 200:
+            pass
+        assert not held.done()
+        rep.faults = Faults()
+        assert (await asyncio.wait_for(held, 10)).status_code == 200

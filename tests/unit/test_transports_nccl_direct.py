@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from pool.checksum import Checksum, compare, to_json
+from pool.checksum import Checksum, to_json
 from pool.errors import AmbiguousMutation, DeadlineExceeded, PreflightFailed
+from pool.evidence import ChecksumEvidence
 from pool.types import TensorSpec
 from tests.unit.test_transports_nccl import SPECS, FakeSender, FakeServer, SpecSource, target
 from updater.deadline import bounded
@@ -90,7 +91,7 @@ async def test_direct_handshake_checksums_and_group_reuse() -> None:
     ev = await transport.transfer(engine, target())
     assert ev.ok and ev.transport == "nccl_direct" and ev.checksums == SUMS
     assert ev.replica_checksums == SUMS and ev.checksum_s == 0.002
-    assert compare(ev.checksums, ev.replica_checksums).proves_equal
+    assert ChecksumEvidence.compare(ev.checksums, ev.replica_checksums).proves_equal
     assert server.paths()[2:] == [
         "POST /collective_rpc",  # layout (preflight)
         "GET /is_paused",
@@ -118,7 +119,9 @@ async def test_direct_handshake_checksums_and_group_reuse() -> None:
     server.rearm()
     flipped = await transport.transfer(engine, target())
     assert flipped.checksums is not None and flipped.replica_checksums is not None
-    assert compare(flipped.checksums, flipped.replica_checksums).examples == (SPECS[1].name,)
+    assert ChecksumEvidence.compare(flipped.checksums, flipped.replica_checksums).examples == (
+        SPECS[1].name,
+    )
     server.rearm()
     server.requests.clear()
     await transport.transfer(engine, target())
@@ -147,7 +150,7 @@ async def test_a_cut_plan_still_carries_every_checksum() -> None:
     [(_, receive)] = [r for r in rpcs(server) if r[0] == "rolloutpool_direct_receive"]
     assert len(receive["names"]) == 2 and ev.checksums == SUMS
     assert ev.replica_checksums is not None
-    gap = compare(ev.checksums, ev.replica_checksums)  # the validator sees the gap
+    gap = ChecksumEvidence.compare(ev.checksums, ev.replica_checksums)  # the validator sees the gap
     assert (gap.missing, gap.examples) == (1, (SPECS[2].name,))
     await engine.aclose()
 

@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from pool.checksum import Checksum, compare, to_json
+from pool.checksum import Checksum, to_json
 from pool.engine import VllmEngine
 from pool.errors import PreflightFailed
+from pool.evidence import ChecksumEvidence
 from tests.unit.test_transports_nccl import SPECS, SpecSource, target
 from updater.transports.nccl import NcclConfig, Sender
 from updater.transports.nccl.direct import NcclDirectTransport
@@ -228,7 +229,9 @@ async def test_a_wave_is_one_group_and_one_broadcast_and_each_replica_checks_its
     [send] = [c for c in sender.commands if isinstance(c, DirectSend)]
     assert send.shards == ((SHARDED, 0, 0, 4), (SHARDED, 0, 4, 4))
     for url, ev in zip(URLS, evs, strict=True):
-        assert ev.ok and compare(ev.checksums, ev.replica_checksums).proves_equal, url
+        assert (
+            ev.ok and ChecksumEvidence.compare(ev.checksums, ev.replica_checksums).proves_equal
+        ), url
         [receive] = [kw for u, m, kw in fabric.requests if u == url and m.endswith("receive")]
         assert receive["timeout_s"] == 60.0
         assert transport.last[url]["wave_size"] == 3
@@ -264,7 +267,7 @@ async def test_a_replica_that_does_not_arrive_in_time_is_sent_alone() -> None:
     assert sender.inits() == [3] and sender.sends() == 1  # the two that came, together
     ev = await late
     assert sender.inits() == [3, 2] and sender.sends() == 2  # the late one, over its own group
-    assert ev.ok and compare(ev.checksums, ev.replica_checksums).proves_equal
+    assert ev.ok and ChecksumEvidence.compare(ev.checksums, ev.replica_checksums).proves_equal
     for e in engines:
         await e.aclose()
 
@@ -293,10 +296,12 @@ async def test_a_member_that_fails_after_its_data_is_resent_alone_the_other_comp
     transport, engines, sender = make(fabric)
     transport.expect_wave(URLS[:2])
     ev1, ev2 = await asyncio.gather(update(transport, engines[0]), update(transport, engines[1]))
-    assert compare(ev1.checksums, ev1.replica_checksums).proves_equal
+    assert ChecksumEvidence.compare(ev1.checksums, ev1.replica_checksums).proves_equal
     assert "alone" not in transport.last[URLS[0]] and transport.last[URLS[0]]["wave_size"] == 2
     assert "its receive failed" in transport.last[URLS[1]]["alone"]
-    assert compare(ev2.checksums, ev2.replica_checksums).proves_equal  # re-sent, complete
+    assert ChecksumEvidence.compare(
+        ev2.checksums, ev2.replica_checksums
+    ).proves_equal  # re-sent, complete
     assert sender.inits() == [3, 2] and sender.sends() == 2  # the wave, then r2 alone
     assert sender.abandoned[0].startswith("wave:")  # the failed wave's group is dropped
     for e in engines:
@@ -311,7 +316,7 @@ async def test_a_member_that_never_takes_part_gets_every_member_resent_alone() -
     evs = await asyncio.gather(update(transport, engines[0]), update(transport, engines[1]))
     for url, ev in zip(URLS, evs, strict=False):
         assert "alone" in transport.last[url], url
-        assert compare(ev.checksums, ev.replica_checksums).proves_equal, url
+        assert ChecksumEvidence.compare(ev.checksums, ev.replica_checksums).proves_equal, url
     assert sender.inits() == [3, 2, 2] and sender.sends() == 3
     for e in engines:
         await e.aclose()

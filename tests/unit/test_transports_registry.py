@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from updater.settings import UpdaterSettings
 from updater.transports import registry
+from updater.transports.ipc import IpcDirectTransport
 from updater.transports.nccl import NcclConfig, NcclTransport
 from updater.transports.registry import TransportRegistry
 from updater.transports.reload import ReloadTransport
@@ -56,7 +57,7 @@ def test_an_unknown_name_lists_the_registered_ones() -> None:
     reg.register("a", "m", "A")
     with pytest.raises(ValueError, match="unknown transport 'x'; registered: a, b"):
         reg.require("x")
-    with pytest.raises(ValueError, match="registered: nccl, nccl_direct, reload"):
+    with pytest.raises(ValueError, match="registered: ipc_direct, nccl, nccl_direct, reload"):
         registry.get("carrier-pigeon")
 
 
@@ -81,7 +82,7 @@ def test_a_registration_that_is_not_a_transport_is_refused_when_used(plugin_modu
 
 
 def test_the_built_ins_are_built_from_the_settings() -> None:
-    assert registry.names() == ["nccl", "nccl_direct", "reload"]
+    assert registry.names() == ["ipc_direct", "nccl", "nccl_direct", "reload"]
     reload = registry.create(UpdaterSettings())
     assert isinstance(reload, ReloadTransport) and not reload.checksums
     reload = registry.create(UpdaterSettings(checksums=True))
@@ -92,6 +93,9 @@ def test_the_built_ins_are_built_from_the_settings() -> None:
         assert isinstance(transport, NcclTransport) and transport.name == name
         assert transport.config == nccl and transport.source is None  # service mode
         transport.close()
+    ipc = registry.create(UpdaterSettings(transport="ipc_direct"))
+    assert isinstance(ipc, IpcDirectTransport) and ipc.staging is None  # service mode
+    assert isinstance(ipc.fallback, ReloadTransport) and ipc.fallback.checksums
 
 
 def test_settings_accept_the_registered_names_only(

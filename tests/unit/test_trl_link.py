@@ -266,8 +266,6 @@ def test_rolloutpool_imports_without_trl() -> None:
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "pip install 'rolloutpool[trl]'" in out.stdout

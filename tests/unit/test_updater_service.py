@@ -198,3 +198,44 @@ async def test_a_lost_transition_gets_the_replica_tainted_and_recovered(store: R
     assert rec.state is S.TAINTED and "a state change was lost" in rec.reason
     assert m.handle.lc.state is S.TAINTED and m.quarantined
     await up.stop(stop_replicas=False)
+
+
+async def test_stopping_the_updater_ends_the_cycles_it_started(store: RedisStore) -> None:
+    """Found by the fault matrix (updater SIGTERMed with r0 held QUIESCED while a successor
+    started): stop() cancelled the update worker but not the cycle tasks it had started, so a
+    cycle ran on after its updater had stopped (through the epoch gate's timeout, a cancel,
+    a taint it could no longer write) and the process did not exit for over 120 s. Here the
+    stand-in (conformance-tested against vLLM) is held QUIESCED by a router registration that
+    has not verified the failover epoch (the epoch gate waits for every live router)."""
+    from testkit.models import marker_token
+    from testkit.standin import ReplicaConfig as StandinConfig
+    from testkit.standin import StandinFleet
+
+    base, new = (
+        ensure_model("marker", token_id=marker_token(0)),
+        ensure_model("marker", token_id=marker_token(1)),
+    )
+    async with StandinFleet(admin_port=0) as fleet:
+        rep = await fleet.add(StandinConfig(model=base, served_model_name="rolloutpool"))
+        settings = UpdaterSettings(replicas=[ReplicaConfig(id="r0", url=rep.url, model=base)])
+        up = Updater(settings, store)
+        await up.start()
+        epoch = await store.failover.epoch()
+        await store.failover.heartbeat("lagging-router", epoch.number - 1, 60.0)
+        await up.submit(
+            UpdateRequest(
+                checkpoint=str(new),
+                probe=ProbeSpec(
+                    prompt_token_ids=list(range(10, 26)), expected_token_ids=[marker_token(1)] * 4
+                ),
+            )
+        )
+        while (await store.replica("r0")).state is not S.QUIESCED:
+            await asyncio.sleep(0.01)
+        await up.stop(stop_replicas=False)
+        cycles = [
+            t
+            for t in asyncio.all_tasks()
+            if getattr(t.get_coro(), "__qualname__", "") == "Updater._cycle"
+        ]
+        assert cycles == []

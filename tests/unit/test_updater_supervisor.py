@@ -10,10 +10,13 @@ import httpx
 
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
+from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
 from testkit.models import ensure_model
+from testkit.standin import ReplicaConfig as StandinConfig
+from testkit.standin import StandinFleet
 from updater.cycle import CycleRunner, ReplicaHandle
 from updater.providers.base import Location, PlacementError, ReplicaProvider
 from updater.replicas import ManagedReplica
@@ -114,3 +117,77 @@ async def test_a_provider_that_cannot_restart_is_never_asked_to(store: RedisStor
     rec = await store.replica("r0")
     assert provider.calls == [] and m.recovering is None
     assert rec.state is S.TAINTED and WAITING_FOR_RESTART in rec.reason
+
+
+async def test_an_unhealthy_replica_nobody_here_can_restart_says_who_must(
+    store: RedisStore,
+) -> None:
+    """Found by the fault matrix: an external replica that died while READY was quarantined as
+    "/health failed 3 times" only, so neither an operator nor an orchestrator was told that the
+    updater waits for them to restart it."""
+    provider = RecordingProvider(can_restart=False)
+    sup, m = await tainted_replica(store, provider)
+    token = sup.runner.lease.require()
+    await store.transition("r0", token, S.TAINTED, S.RECOVERING)
+    await store.transition("r0", token, S.RECOVERING, S.READY, generation=G0, identity_digest="i")
+    m.handle.lc = Lifecycle(S.READY, G0, "i")
+    for _ in range(sup.settings.health_failures):
+        await sup.check(m, await store.replica("r0"))
+    rec = await store.replica("r0")
+    assert rec.state is S.TAINTED and "/health failed" in rec.reason
+    assert WAITING_FOR_RESTART in rec.reason
+
+
+async def test_a_taint_the_store_refused_is_written_by_the_next_check(store: RedisStore) -> None:
+    """Found by the fault matrix (replication stalled in UPDATING): the cycle's taint was
+    refused by Redis (NOREPLICAS), leaving the controller TAINTED and the record INVALIDATING;
+    every later check then failed ('r0 is INVALIDATING, expected TAINTED') and the replica
+    never recovered. Now the check taints the record itself."""
+    provider = RecordingProvider(can_restart=False)
+    sup, m = await tainted_replica(store, provider)
+    token = sup.runner.lease.require()
+    await store.transition("r0", token, S.TAINTED, S.RECOVERING)
+    await store.transition("r0", token, S.RECOVERING, S.READY, generation=G0, identity_digest="i")
+    for a, b in [(S.READY, S.DRAINING), (S.DRAINING, S.QUIESCED), (S.QUIESCED, S.UPDATING)]:
+        await store.transition("r0", token, a, b)
+    await store.transition("r0", token, S.UPDATING, S.INVALIDATING)
+    m.handle.lc = Lifecycle(S.TAINTED, G0, "i", reason="invalidate: the store refused")
+    await sup.check(m, await store.replica("r0"))
+    rec = await store.replica("r0")
+    assert rec.state is S.TAINTED and WAITING_FOR_RESTART in rec.reason
+
+
+async def test_a_ready_replica_whose_process_was_replaced_is_tainted(store: RedisStore) -> None:
+    """Found by the fault matrix: a stand-in restarted by its orchestrator while READY (faster
+    than the health checks could see it down) kept its READY record, and routers sent
+    rollouts of the published generation to a process serving what it was started with
+    (17 of 30 answers cross-generation). The supervisor now checks that a READY replica is
+    still the process that was validated. The stand-in is conformance-tested against vLLM on
+    the /metrics identity it reports (tests/integration/test_standin_conformance.py)."""
+    model = ensure_model("random", seed=1)
+    async with StandinFleet(admin_port=0) as fleet:
+        rep = await fleet.add(StandinConfig(model=model))
+        engine = VllmEngine(rep.url, timeout=5.0)
+        process = ProcessIdentity(str(await engine.process_identity()))
+        lease = store.updater_lease("test")
+        token = await lease.acquire()
+        await store.register_replica("r0", rep.url, token)
+        await store.transition(
+            "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="i"
+        )
+        handle = ReplicaHandle("r0", engine, read_manifest(model), Lifecycle(S.READY, G0, "i"))
+        handle.lc = Lifecycle(S.READY, G0, "i", process=process)
+        cfg = ReplicaConfig(id="r0", url=rep.url, model=model)
+        m = ManagedReplica(cfg, handle)
+        provider = RecordingProvider(can_restart=False)
+        settings = UpdaterSettings(replicas=[cfg])
+        sup = Supervisor(
+            settings, store, CycleRunner(store, lease, ReloadTransport()), {"r0": m}, provider
+        )
+        await sup.check(m, await store.replica("r0"))
+        assert (await store.replica("r0")).state is S.READY  # the validated process: kept
+        await rep.restart()
+        await sup.check(m, await store.replica("r0"))
+        rec = await store.replica("r0")
+        assert rec.state is S.TAINTED and "server process was replaced" in rec.reason
+        await engine.aclose()

@@ -8,7 +8,7 @@ The updater starts, stops, restarts and locates replicas only through one
 provider        the processes are run by        ``restart_fresh``           ``incarnation``
 ==============  ==============================  ==========================  =====================
 ``local``       the updater: one process group  kill the group, start it    ``pid:<pid>@<start>``
-                per replica (LocalReplica)      again on the same port
+                per replica (LocalReplica)      again on the same port      ``@<host>``
 ``external``    someone else, reached by URL    cannot: the supervisor      None
                 (compose, a hand-run server)    waits for an orchestrator
 ``ray``         one Ray actor per replica that  kill the actor, create a    ``ray-actor:<id>/...``
@@ -52,14 +52,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Protocol, Self
 
 from pool.errors import RolloutPoolError
 
 if TYPE_CHECKING:
-    from updater.settings import UpdaterSettings
+    from updater.config import ReplicaConfig
+    from updater.providers.config import KubernetesConfig, RayConfig
 
-__all__ = ["Location", "PlacementError", "ProviderError", "ReplicaProvider"]
+__all__ = ["Location", "PlacementError", "ProviderError", "ProviderSettings", "ReplicaProvider"]
+
+
+class ProviderSettings(Protocol):
+    """The sections of the updater's settings a provider is built from: the replicas and the
+    provider's own section (``ray``, ``kubernetes``). :class:`updater.settings.UpdaterSettings`
+    has them; a provider never sees the rest."""
+
+    provider: str
+    replicas: list[ReplicaConfig]
+    ray: RayConfig
+    kubernetes: KubernetesConfig
 
 
 class ProviderError(RolloutPoolError):
@@ -107,10 +119,14 @@ class ReplicaProvider(ABC):
     #: :meth:`restart_fresh` can replace a replica's process. Otherwise a TAINTED replica waits
     #: until its orchestrator replaces it (the supervisor watches for a new process).
     can_restart: ClassVar[bool]
+    #: Another updater's :meth:`start` adopts the processes this one launched (Ray's named
+    #: actors), so an updater that lost the lease must leave them running. False: each updater
+    #: launches its own, and ends them when it stops, lease or not.
+    adopts: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
-    def from_settings(cls, settings: UpdaterSettings) -> Self:
+    def from_settings(cls, settings: ProviderSettings) -> Self:
         """Build the provider for ``settings.replicas`` (validated for this provider); no I/O."""
 
     @abstractmethod
@@ -142,6 +158,18 @@ class ReplicaProvider(ABC):
     @abstractmethod
     async def alive(self, replica_id: str) -> bool | None:
         """False: known gone; True: known running; None: cannot tell (health checks decide)."""
+
+    async def reclaimable(self, replica_id: str, incarnation: str) -> bool:
+        """Whether ``incarnation`` (an identity this kind of provider gave a process earlier,
+        e.g. by an updater that crashed) names a process that still runs and that
+        :meth:`reclaim` can end. Default: never (the provider adopts, or cannot tell)."""
+        return False
+
+    async def reclaim(self, replica_id: str, incarnation: str) -> None:
+        """End the process ``incarnation`` names, left by an earlier updater, so it neither
+        serves on unvalidated terms nor holds the resources a fresh start needs. Only called
+        after :meth:`reclaimable` said True."""
+        return None
 
     async def close(self) -> None:
         """Release the provider's own resources (API clients, a Ray connection); replicas are

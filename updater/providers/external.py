@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Self
 from urllib.parse import urlsplit
 
-from updater.providers.base import Location, ProviderError, ReplicaProvider
-from updater.settings import ReplicaConfig, UpdaterSettings
+from updater.config import ReplicaConfig
+from updater.providers.base import Location, ProviderError, ProviderSettings, ReplicaProvider
 
 __all__ = ["ExternalProvider"]
 
@@ -33,7 +33,7 @@ class ExternalProvider(ReplicaProvider):
             self._urls[r.id] = r.url
 
     @classmethod
-    def from_settings(cls, settings: UpdaterSettings) -> Self:
+    def from_settings(cls, settings: ProviderSettings) -> Self:
         return cls(settings.replicas)
 
     def url(self, replica_id: str) -> str:

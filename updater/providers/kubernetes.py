@@ -37,9 +37,9 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from updater.providers.base import Location, ProviderError, ReplicaProvider
+from updater.config import ReplicaConfig
+from updater.providers.base import Location, ProviderError, ProviderSettings, ReplicaProvider
 from updater.providers.config import KubernetesConfig
-from updater.settings import ReplicaConfig, UpdaterSettings
 
 __all__ = ["KubernetesProvider", "pod_ready"]
 
@@ -70,7 +70,7 @@ class KubernetesProvider(ReplicaProvider):
         self._api = api
 
     @classmethod
-    def from_settings(cls, settings: UpdaterSettings) -> Self:
+    def from_settings(cls, settings: ProviderSettings) -> Self:
         return cls(settings.kubernetes, settings.replicas)
 
     def _core(self) -> Any:

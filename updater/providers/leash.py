@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Leash", "attach", "main", "start_ticks"]
+__all__ = ["Leash", "attach", "main", "runs", "start_ticks"]
 
 
 def start_ticks(pid: int) -> int | None:
@@ -40,6 +40,17 @@ def start_ticks(pid: int) -> int | None:
     except OSError:
         return None
     return int(raw[raw.rindex(")") + 2 :].split()[19])
+
+
+def runs(pid: int, started: int) -> bool:
+    """Whether process ``pid``, started at ``started`` ticks (:func:`start_ticks`), still runs:
+    not gone, not a recycled pid, not a zombie waiting for its parent to reap it."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    tail = raw[raw.rindex(")") + 2 :]
+    return tail[0] != "Z" and int(tail.split()[19]) == started
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,16 @@ from ray.util.scheduling_strategies import (
 )
 
 from pool.launcher import ReplicaSpec
-from updater.providers.base import Location, PlacementError, ProviderError, ReplicaProvider
+from updater.config import ReplicaConfig
+from updater.providers.base import (
+    Location,
+    PlacementError,
+    ProviderError,
+    ProviderSettings,
+    ReplicaProvider,
+)
 from updater.providers.config import RayConfig, RayPlacement
 from updater.providers.ray_actor import ReplicaActor
-from updater.settings import ReplicaConfig, UpdaterSettings
 
 __all__ = ["RayProvider"]
 
@@ -65,6 +71,7 @@ class RayProvider(ReplicaProvider):
     name = "ray"
     launches = True
     can_restart = True
+    adopts = True
 
     def __init__(self, config: RayConfig, replicas: list[ReplicaConfig]) -> None:
         self.config = config
@@ -79,7 +86,7 @@ class RayProvider(ReplicaProvider):
         self._connecting = asyncio.Lock()  # starts of several replicas connect once
 
     @classmethod
-    def from_settings(cls, settings: UpdaterSettings) -> Self:
+    def from_settings(cls, settings: ProviderSettings) -> Self:
         return cls(settings.ray, settings.replicas)
 
     def actor_name(self, replica_id: str) -> str:

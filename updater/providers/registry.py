@@ -13,13 +13,8 @@ Not thread-safe: register at import time, from one thread.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from updater.providers.base import ReplicaProvider
+from updater.providers.base import ProviderSettings, ReplicaProvider
 from updater.registry import Registry
-
-if TYPE_CHECKING:
-    from updater.settings import UpdaterSettings
 
 __all__ = ["ProviderRegistry", "create", "get", "names", "register", "require"]
 
@@ -30,7 +25,7 @@ class ProviderRegistry(Registry[ReplicaProvider]):
     def __init__(self) -> None:
         super().__init__("replica provider", ReplicaProvider)
 
-    def create(self, settings: UpdaterSettings) -> ReplicaProvider:
+    def create(self, settings: ProviderSettings) -> ReplicaProvider:
         """The provider ``settings.provider`` names, built from ``settings``."""
         return self.get(settings.provider).from_settings(settings)
 

@@ -8,9 +8,33 @@
   safetensors directory the server can read (CPU and GPU).
 * :mod:`updater.transports.nccl` — ``nccl``: a broadcast over NCCL through vLLM's
   weight-transfer engine (GPU), in process or from a checkpoint (a package; see its docstring).
+
+The package imports nothing until a name is asked of it, so the settings validate a transport's
+name (:mod:`updater.transports.registry`) without loading any transport.
 """
 
-from updater.transports.base import Transport, WeightsTarget
-from updater.transports.reload import ReloadTransport
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from updater.transports.base import Transport, WeightsTarget
+    from updater.transports.reload import ReloadTransport
+
+#: Each exported name -> the module that defines it (imported when the name is first asked for).
+_HOMES: dict[str, str] = {
+    "ReloadTransport": "updater.transports.reload",
+    "Transport": "updater.transports.base",
+    "WeightsTarget": "updater.transports.base",
+}
 
 __all__ = ["ReloadTransport", "Transport", "WeightsTarget"]
+
+
+def __getattr__(name: str) -> Any:
+    """The exported ``name`` from its module, imported now (PEP 562)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

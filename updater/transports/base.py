@@ -28,16 +28,26 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Protocol, Self
 
 from pool.engine import VllmEngine
 from pool.evidence import TransferEvidence
 from pool.types import Manifest, WeightIdentity
 
 if TYPE_CHECKING:
-    from updater.settings import UpdaterSettings
+    from updater.transports.nccl.config import NcclConfig
 
-__all__ = ["Transport", "WeightsTarget"]
+__all__ = ["Transport", "TransportSettings", "WeightsTarget"]
+
+
+class TransportSettings(Protocol):
+    """The sections of the updater's settings a transport is built from: its name and the
+    transports' own settings. :class:`updater.settings.UpdaterSettings` has them; a transport
+    never sees the rest."""
+
+    transport: str
+    checksums: bool
+    nccl: NcclConfig
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,7 @@ class Transport(ABC):
     name: ClassVar[str]
 
     @classmethod
-    def from_settings(cls, settings: UpdaterSettings) -> Self:
+    def from_settings(cls, settings: TransportSettings) -> Self:
         """The transport the updater's settings describe (what the registry builds). By default
         one with its defaults; a transport with settings of its own overrides this."""
         return cls()

@@ -13,13 +13,8 @@ Not thread-safe: register at import time, from one thread.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from updater.registry import Registry
-from updater.transports.base import Transport
-
-if TYPE_CHECKING:
-    from updater.settings import UpdaterSettings
+from updater.transports.base import Transport, TransportSettings
 
 __all__ = ["TransportRegistry", "create", "get", "names", "register", "require"]
 
@@ -30,7 +25,7 @@ class TransportRegistry(Registry[Transport]):
     def __init__(self) -> None:
         super().__init__("transport", Transport)
 
-    def create(self, settings: UpdaterSettings) -> Transport:
+    def create(self, settings: TransportSettings) -> Transport:
         """The transport ``settings.transport`` names, built from ``settings``
         (:meth:`Transport.from_settings`)."""
         return self.get(settings.transport).from_settings(settings)
@@ -47,5 +42,6 @@ create = _REGISTRY.create
 # ------------------------------------------------------------------------------ built-ins
 
 register("reload", "updater.transports.reload", "ReloadTransport")
-register("nccl", "updater.transports.nccl", "NcclTransport")
+register("nccl", "updater.transports.nccl.transport", "NcclTransport")
 register("nccl_direct", "updater.transports.nccl.direct", "NcclDirectTransport")
+register("ipc_direct", "updater.transports.ipc", "IpcDirectTransport")

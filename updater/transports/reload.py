@@ -24,7 +24,7 @@ runtime layout (read-only ``rolloutpool_layout``: a replica without the extensio
 serving dtypes differ from the checkpoint's, is refused untouched) and computes
 :func:`~pool.checkpoint.checkpoint_checksums` over the checkpoint's bytes (once per checkpoint,
 outside the paused window); the transfer's evidence carries them, and validation compares them
-with the replica's after the reload (:meth:`updater.cycle.CycleRunner.verify_checksums`). A
+with the replica's after the reload (:func:`updater.validation.verify_checksums`). A
 checkpoint that changed between the check and the reload, a file the replica reads differently,
 or a partial load is then refused: TAINTED, never published.
 """
@@ -35,18 +35,15 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import ClassVar, Self
 
 from pool.checkpoint import checkpoint_checksums, safetensors_files
 from pool.checksum import Checksum
 from pool.engine import VllmEngine
 from pool.errors import AmbiguousMutation, EngineError, NoMutation, PreflightFailed
 from pool.evidence import TransferEvidence
-from updater.transports.base import Transport, WeightsTarget
+from updater.transports.base import Transport, TransportSettings, WeightsTarget
 from updater.transports.preflight import check_checkpoint
-
-if TYPE_CHECKING:
-    from updater.settings import UpdaterSettings
 
 __all__ = ["ReloadTransport"]
 
@@ -79,7 +76,7 @@ class ReloadTransport(Transport):
         self._sums: _Sums | None = None  # the last checkpoint's checksums
 
     @classmethod
-    def from_settings(cls, settings: UpdaterSettings) -> Self:
+    def from_settings(cls, settings: TransportSettings) -> Self:
         return cls(checksums=settings.checksums)
 
     async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:

@@ -43,34 +43,65 @@ same group (NCCL refuses two ranks on one GPU).
 * :mod:`~updater.transports.nccl.sources` — what is sent (:class:`WeightSource` and its kinds);
 * :mod:`~updater.transports.nccl.control` — the HTTP control calls (:class:`HttpWeightSyncClient`);
 * :mod:`~updater.transports.nccl.senders` — where vLLM's trainer helpers run (thread or process);
+* :mod:`~updater.transports.nccl.threads` — blocking calls in daemon threads, awaited;
 * :mod:`~updater.transports.nccl.transport` — :class:`NcclTransport`: group lifetime, blocking
-  calls and deadlines, failure classes;
+  calls and deadlines, failure classes; its two hooks (group init, send) are the extension point;
 * :mod:`~updater.transports.nccl.direct` — ``nccl_direct``: the same groups and failure
   handling, received straight into the runtime parameters by RolloutPool's worker extension
   (:mod:`pool.replica_extension`), with per-parameter checksums (imported on use, registered in
   :mod:`updater.transports.registry`).
 
 Nothing here imports ``torch`` or ``vllm`` at module load: the package (and its unit tests) work
-on machines without either; the heavy imports happen on the first send.
+on machines without either; the heavy imports happen on the first send. The package itself
+imports nothing until a name is asked of it: the updater's settings read
+:class:`NcclConfig` from :mod:`~updater.transports.nccl.config` without loading the transport.
 """
 
-from updater.transports.nccl.config import NcclConfig, Packing
-from updater.transports.nccl.control import HttpStepError, HttpWeightSyncClient
-from updater.transports.nccl.senders import ProcessSender, Sender, SenderCore, ThreadSender
-from updater.transports.nccl.sources import (
-    CheckpointSource,
-    ModuleSource,
-    SourceSpec,
-    StagedSource,
-    WeightSource,
-)
-from updater.transports.nccl.transport import NcclTransport
-from updater.transports.nccl.versions import (
-    ApiFamily,
-    api_family,
-    check_versions,
-    local_vllm_version,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from updater.transports.nccl.config import NcclConfig, Packing
+    from updater.transports.nccl.control import HttpStepError, HttpWeightSyncClient
+    from updater.transports.nccl.senders import ProcessSender, Sender, SenderCore, ThreadSender
+    from updater.transports.nccl.sources import (
+        CheckpointSource,
+        ModuleSource,
+        SourceSpec,
+        StagedSource,
+        WeightSource,
+    )
+    from updater.transports.nccl.transport import NcclTransport
+    from updater.transports.nccl.versions import (
+        ApiFamily,
+        api_family,
+        check_versions,
+        local_vllm_version,
+    )
+
+#: Each exported name -> the module that defines it (imported when the name is first asked for).
+_HOMES: dict[str, str] = {
+    "NcclConfig": "updater.transports.nccl.config",
+    "Packing": "updater.transports.nccl.config",
+    "HttpStepError": "updater.transports.nccl.control",
+    "HttpWeightSyncClient": "updater.transports.nccl.control",
+    "ProcessSender": "updater.transports.nccl.senders",
+    "Sender": "updater.transports.nccl.senders",
+    "SenderCore": "updater.transports.nccl.senders",
+    "ThreadSender": "updater.transports.nccl.senders",
+    "CheckpointSource": "updater.transports.nccl.sources",
+    "ModuleSource": "updater.transports.nccl.sources",
+    "SourceSpec": "updater.transports.nccl.sources",
+    "StagedSource": "updater.transports.nccl.sources",
+    "WeightSource": "updater.transports.nccl.sources",
+    "NcclTransport": "updater.transports.nccl.transport",
+    "ApiFamily": "updater.transports.nccl.versions",
+    "api_family": "updater.transports.nccl.versions",
+    "check_versions": "updater.transports.nccl.versions",
+    "local_vllm_version": "updater.transports.nccl.versions",
+}
 
 __all__ = [
     "ApiFamily",
@@ -92,3 +123,11 @@ __all__ = [
     "check_versions",
     "local_vllm_version",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The exported ``name`` from its module, imported now (PEP 562)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -68,7 +68,8 @@ from updater.transports.nccl.config import Packing
 from updater.transports.nccl.control import HttpStepError
 from updater.transports.nccl.senders import Rendezvous, Shard, WireSource, shard_key
 from updater.transports.nccl.sources import nbytes_of
-from updater.transports.nccl.transport import NcclTransport, _gather_threads, _Group, _spawn
+from updater.transports.nccl.threads import gather_threads, spawn
+from updater.transports.nccl.transport import Group, NcclTransport
 from updater.transports.nccl.versions import ApiFamily
 from updater.transports.nccl.waves import Arrival, WaveBarrier
 
@@ -125,7 +126,7 @@ class NcclDirectTransport(NcclTransport):
         client = self._client(url)
         try:
             results = await asyncio.wrap_future(
-                _spawn(
+                spawn(
                     client.collective_rpc,
                     "rolloutpool_layout",
                     {},
@@ -210,7 +211,7 @@ class NcclDirectTransport(NcclTransport):
         validation: the negative control of ``bench/gpu_update.py`` overrides this.)"""
         return specs
 
-    async def _init_group(
+    async def init_group(
         self, url: str, at: Rendezvous, family: ApiFamily, packing: Packing
     ) -> None:
         kwargs = {
@@ -220,21 +221,21 @@ class NcclDirectTransport(NcclTransport):
             "rank_offset": 1,
         }
         client = self._client(url)
-        await _gather_threads(
-            _spawn(
+        await gather_threads(
+            spawn(
                 client.collective_rpc,
                 "rolloutpool_direct_init",
                 kwargs,
                 self.config.init_timeout_s,
                 name=f"nccl-direct-init-http-{at.key}",
             ),
-            _spawn(self.sender.direct_init, at, name=f"nccl-direct-init-{at.key}"),
+            spawn(self.sender.direct_init, at, name=f"nccl-direct-init-{at.key}"),
         )
 
-    async def _send(
+    async def send_weights(
         self,
         url: str,
-        g: _Group,
+        g: Group,
         wire: WireSource,
         specs: list[TensorSpec],
         packing: Packing,
@@ -244,8 +245,8 @@ class NcclDirectTransport(NcclTransport):
         names = [[s.name, s.dtype, list(s.shape)] for s in plan]
         client = self._client(url)
         timings["step"] = "receive"
-        received, sent = await _gather_threads(
-            _spawn(
+        received, sent = await gather_threads(
+            spawn(
                 client.collective_rpc,
                 "rolloutpool_direct_receive",
                 {
@@ -256,7 +257,7 @@ class NcclDirectTransport(NcclTransport):
                 self.config.http_timeout_s,
                 name=f"nccl-direct-receive-{g.key}",
             ),
-            _spawn(
+            spawn(
                 self.sender.direct_send,
                 g.key,
                 wire,
@@ -319,7 +320,7 @@ class NcclDirectTransport(NcclTransport):
         names = [[s.name, s.dtype, list(s.shape)] for s in plan]
         c = self.config
         t0 = time.monotonic()
-        send = _spawn(
+        send = spawn(
             self.sender.direct_send,
             g.key,
             wire,
@@ -335,7 +336,7 @@ class NcclDirectTransport(NcclTransport):
         }
         receives = [
             asyncio.wrap_future(
-                _spawn(
+                spawn(
                     self._client(url).collective_rpc,
                     "rolloutpool_direct_receive",
                     kwargs,
@@ -413,9 +414,9 @@ class NcclDirectTransport(NcclTransport):
         at = Rendezvous(key, c.master_address, port, world)
         t0 = time.monotonic()
         try:
-            await _gather_threads(
+            await gather_threads(
                 *(
-                    _spawn(
+                    spawn(
                         self._client(url).collective_rpc,
                         "rolloutpool_direct_init",
                         {
@@ -429,7 +430,7 @@ class NcclDirectTransport(NcclTransport):
                     )
                     for url, offset in zip(urls, offsets, strict=True)
                 ),
-                _spawn(self.sender.direct_init, at, name=f"nccl-wave-init-{key}"),
+                spawn(self.sender.direct_init, at, name=f"nccl-wave-init-{key}"),
             )
         except BaseException:
             self._wave_incarnation[urls] = incarnation + 1

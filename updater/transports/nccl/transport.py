@@ -45,13 +45,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 import httpx
 
@@ -60,7 +57,7 @@ from pool.engine import VllmEngine, parse_version
 from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
 from pool.evidence import TransferEvidence
 from pool.types import Manifest, TensorSpec
-from updater.transports.base import Transport, WeightsTarget
+from updater.transports.base import Transport, TransportSettings, WeightsTarget
 from updater.transports.nccl.config import NcclConfig, Packing
 from updater.transports.nccl.control import HttpStepError, HttpWeightSyncClient
 from updater.transports.nccl.senders import (
@@ -71,19 +68,21 @@ from updater.transports.nccl.senders import (
     WireSource,
 )
 from updater.transports.nccl.sources import CheckpointSource, SourceSlot, WeightSource, nbytes_of
+from updater.transports.nccl.threads import gather_threads, spawn
 from updater.transports.nccl.versions import ApiFamily, check_versions, local_vllm_version
 from updater.transports.preflight import check_location, check_provenance, check_weights
 
-if TYPE_CHECKING:
-    from updater.settings import UpdaterSettings
-
-__all__ = ["NcclTransport"]
+__all__ = ["Group", "NcclTransport"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Group:
+class Group:
+    """The NCCL group of one replica: its rendezvous ``key`` (``<url>#<incarnation>``), the
+    ``port`` it was created on, its ``world_size`` (the sender + the replica's workers), the API
+    family and packing it was created for, and the sender ``epoch`` it belongs to."""
+
     key: str
     url: str
     port: int
@@ -109,7 +108,7 @@ class _Checked:
 class _Replica:
     index: int
     incarnation: int = 0
-    group: _Group | None = None
+    group: Group | None = None
     last: dict[str, Any] = field(default_factory=dict)
     client: HttpWeightSyncClient | None = None  # the replica's one control client
 
@@ -121,6 +120,13 @@ class NcclTransport(Transport):
     checkpoint). ``sender``: ``"thread"`` (this process) or ``"process"`` (a child process;
     service mode or sources with a :meth:`WeightSource.spec`). ``sender_impl`` replaces the
     sender (tests). The per-replica timings of the last transfer are in :attr:`last`.
+
+    **Extension point.** A transport that moves the bytes into the replica another way (the
+    ``nccl_direct`` receive, :mod:`updater.transports.nccl.direct`) subclasses this one and
+    overrides two hooks: :meth:`init_group` (both sides of a new group) and
+    :meth:`send_weights` (one transfer over a group). The checks, the groups' lifetime and
+    ports, the deadlines and the failure classes stay this class's; both hooks run their
+    blocking calls in daemon threads (:mod:`updater.transports.nccl.threads`).
     """
 
     name: ClassVar[str] = "nccl"
@@ -153,7 +159,7 @@ class NcclTransport(Transport):
         self._checked: dict[str, _Checked] = {}  # by replica URL: its last passed preflight
 
     @classmethod
-    def from_settings(cls, settings: UpdaterSettings) -> Self:
+    def from_settings(cls, settings: TransportSettings) -> Self:
         """Service mode with ``settings.nccl``, sending from a thread of the updater."""
         return cls(settings.nccl)
 
@@ -285,7 +291,7 @@ class NcclTransport(Transport):
         if self.source is None:
             wire = self._wire(checked.source)
             try:
-                await asyncio.wrap_future(_spawn(self.sender.prepare, wire, name="nccl-prepare"))
+                await asyncio.wrap_future(spawn(self.sender.prepare, wire, name="nccl-prepare"))
             except Exception as e:
                 raise PreflightFailed(
                     f"cannot load {target.path} onto {self.config.device}: {e}",
@@ -329,7 +335,9 @@ class NcclTransport(Transport):
         group = await self._ensure_group(engine, rep, family, packing, timings)
         try:
             t0 = time.monotonic()
-            sums, replica_sums = await self._send(engine.url, group, wire, specs, packing, timings)
+            sums, replica_sums = await self.send_weights(
+                engine.url, group, wire, specs, packing, timings
+            )
             timings["transfer_s"] = time.monotonic() - t0
         except BaseException as e:  # CancelledError (deadline) included: the group is unusable
             self._abandon(rep, f"transfer failed: {type(e).__name__}: {e}")
@@ -357,24 +365,26 @@ class NcclTransport(Transport):
             replica_checksums=replica_sums,
         )
 
-    async def _send(
+    async def send_weights(
         self,
         url: str,
-        g: _Group,
+        g: Group,
         wire: WireSource,
         specs: list[TensorSpec],
         packing: Packing,
         timings: dict[str, Any],
     ) -> tuple[dict[str, Checksum] | None, dict[str, Checksum] | None]:
-        """Move the weights over the group (the engine is paused, the group initialised); the
-        sender's and the replica's checksums where this path computes them (vLLM's own path:
-        neither)."""
+        """The hook that moves the weights ``specs`` of ``wire`` over ``g`` into the replica at
+        ``url`` (paused; the group initialised by :meth:`init_group`), recording its timings
+        in ``timings`` (``timings["step"]`` names the step under way). Returns the sender's and
+        the replica's checksums where the path computes them (vLLM's own path: neither).
+        Anything it raises after it began is an ambiguous transfer."""
         if g.family == "static":
             await self._send_static(url, g, wire, specs, packing, timings)
         else:
             timings.update(
                 await asyncio.wrap_future(
-                    _spawn(self.sender.factory_send, g.key, wire, name=f"nccl-send-{g.key}")
+                    spawn(self.sender.factory_send, g.key, wire, name=f"nccl-send-{g.key}")
                 )
             )
         return None, None
@@ -386,7 +396,7 @@ class NcclTransport(Transport):
         family: ApiFamily,
         packing: Packing,
         timings: dict[str, Any],
-    ) -> _Group:
+    ) -> Group:
         g = rep.group
         epoch = self.sender.epoch
         if g is not None and (
@@ -407,7 +417,7 @@ class NcclTransport(Transport):
         t0 = time.monotonic()
         timings["step"] = "init"
         try:
-            await self._init_group(url, at, family, packing)
+            await self.init_group(url, at, family, packing)
         except BaseException as e:
             rep.incarnation += 1  # the port may still be held by the half-open rendezvous
             with contextlib.suppress(Exception):
@@ -421,7 +431,7 @@ class NcclTransport(Transport):
             raise AmbiguousMutation(
                 f"NCCL group init with {url} failed: {type(e).__name__}: {e}", url=url, port=port
             ) from e
-        g = _Group(
+        g = Group(
             key=key,
             url=url,
             port=port,
@@ -437,11 +447,13 @@ class NcclTransport(Transport):
         timings["world_size"] = ws
         return g
 
-    async def _init_group(
+    async def init_group(
         self, url: str, at: Rendezvous, family: ApiFamily, packing: Packing
     ) -> None:
-        """Create the group at ``at``: the server's side and the sender's, concurrently (both
-        block until every rank joined)."""
+        """The hook that creates the group at ``at`` with the replica at ``url``: the server's
+        side and the sender's, concurrently (both block until every rank joined). A refusal
+        before anything was sent raises :class:`~updater.transports.nccl.control.HttpStepError`
+        with ``refused`` set (NoMutation); anything else is ambiguous."""
         if family == "static":
             init_info = {
                 "master_address": at.address,
@@ -449,17 +461,17 @@ class NcclTransport(Transport):
                 "rank_offset": 1,
                 "world_size": at.world_size,
             }
-            await _gather_threads(
-                _spawn(
+            await gather_threads(
+                spawn(
                     self._client(url).init_weight_transfer_engine,
                     init_info,
                     name=f"nccl-init-http-{at.key}",
                 ),
-                _spawn(self.sender.static_init, at, name=f"nccl-init-{at.key}"),
+                spawn(self.sender.static_init, at, name=f"nccl-init-{at.key}"),
             )
         else:
             await asyncio.wrap_future(
-                _spawn(
+                spawn(
                     self.sender.factory_init,
                     at,
                     packing,
@@ -471,7 +483,7 @@ class NcclTransport(Transport):
     async def _send_static(
         self,
         url: str,
-        g: _Group,
+        g: Group,
         wire: WireSource,
         specs: list[TensorSpec],
         packing: Packing,
@@ -488,7 +500,7 @@ class NcclTransport(Transport):
         }
         timings["step"] = "start"
         t = time.monotonic()
-        await asyncio.wrap_future(_spawn(client.start_weight_update, name=f"nccl-start-{g.key}"))
+        await asyncio.wrap_future(spawn(client.start_weight_update, name=f"nccl-start-{g.key}"))
         timings["start_s"] = time.monotonic() - t
         timings["step"] = "update"
         t = time.monotonic()
@@ -498,9 +510,9 @@ class NcclTransport(Transport):
             client.update_weights(update_info)
             http_done["t"] = time.monotonic()
 
-        _, sent = await _gather_threads(
-            _spawn(update, name=f"nccl-update-http-{g.key}"),
-            _spawn(
+        _, sent = await gather_threads(
+            spawn(update, name=f"nccl-update-http-{g.key}"),
+            spawn(
                 self.sender.static_send,
                 g.key,
                 wire,
@@ -514,42 +526,6 @@ class NcclTransport(Transport):
         timings.update(sent)
         timings["step"] = "finish"
         t = time.monotonic()
-        await asyncio.wrap_future(_spawn(client.finish_weight_update, name=f"nccl-finish-{g.key}"))
+        await asyncio.wrap_future(spawn(client.finish_weight_update, name=f"nccl-finish-{g.key}"))
         timings["finish_s"] = time.monotonic() - t
         timings["step"] = "done"
-
-
-# ------------------------------------------------------------------------------ threads
-
-
-def _spawn(fn: Callable[..., Any], *args: Any, name: str) -> Future[Any]:
-    """Run ``fn(*args)`` in a new *daemon* thread (an abandoned one never blocks exit)."""
-    fut: Future[Any] = Future()
-
-    def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
-
-
-async def _gather_threads(*futs: Future[Any]) -> list[Any]:
-    """Wait for all thread futures; the first error ends the wait (the rest are abandoned)."""
-    afuts = [asyncio.wrap_future(f) for f in futs]
-    try:
-        done, pending = await asyncio.wait(afuts, return_when=asyncio.FIRST_EXCEPTION)
-    except asyncio.CancelledError:
-        for a in afuts:
-            a.cancel()  # only detaches; the threads keep running until their own limits
-        raise
-    for a in done:
-        if a.exception() is not None:
-            for p in pending:
-                p.cancel()
-            raise a.exception()  # type: ignore[misc]
-    return [a.result() for a in afuts]

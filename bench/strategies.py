@@ -1,0 +1,282 @@
+"""How each way of updating the rollout engines costs an asynchronous RL loop: stop-the-world,
+keep, abort + resubmit (vLLM's native endpoints, driven directly on the replicas), and the pool
+strict and at ``max_staleness`` 1, on the same running replicas, interleaved.
+
+    flock /work/heavy.lock .venv/bin/python -m bench.strategies [--runs cpu_real,standin_8,...]
+        [--short] [--rounds R]
+
+Runs (each: the replicas started once, then ``rounds`` rounds of the five strategies, the order
+rotated every round so machine noise hits all alike; a strategy's row sums its segments):
+
+* ``cpu_real``: 2 real vLLM CPU replicas (``testkit.harness.start_replicas``) serving the
+  EOS-marker checkpoints (:mod:`testkit.scenarios.strategies.models`); before its rounds, a
+  calibration: one request alone (``request_tokens_per_s``), the steady per-replica rate under
+  the workload (``replica_tokens_per_s``) and ``reload_weights`` seconds (``transfer_s``);
+* ``standin_<N>``: N stand-in replicas (``python -m testkit.standin``) whose time model is that
+  calibration (this run's ``cpu_real``, else the last one in the results file, else defaults),
+  slowed by ``--dilate`` at large N so that one client process and one router on the 2-core box
+  keep up (rates divided, transfer and train seconds multiplied: the same shape, longer).
+
+The workload and every definition: :mod:`testkit.scenarios.strategies` (``workload``,
+``report``). Writes ``bench/results/strategies.json`` after every run (``runs``: run ->
+strategy -> row; ``ratios`` and ``goals`` over the runs; ``params`` per run;
+``calibration``) and ``bench/results/strategies.png`` (the lanes and the table of one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench._meta import RESULTS, write
+from testkit.harness import start_replicas, stop_replicas
+from testkit.procs import terminate
+from testkit.scenarios.scale import _spawn
+from testkit.scenarios.strategies.drivers import prepare_replicas
+from testkit.scenarios.strategies.models import MARKERS, eos_marker
+from testkit.scenarios.strategies.report import STRATEGIES, figure, goals, ratios, row
+from testkit.scenarios.strategies.segment import Params, Segment, run_segment, served_model
+
+NAME = "strategies"
+#: a stand-in time model for when no real calibration exists (2-core box, earlier runs)
+DEFAULT_CALIBRATION = {"request_tokens_per_s": 120.0, "replica_tokens_per_s": 300.0,
+                       "transfer_s": 0.3}  # fmt: skip
+
+
+def params_for(run: str, short: bool, dilate: float) -> Params:
+    """The workload of ``run``: 8 samples in flight per replica (4 at N >= 32), a batch of one
+    sample per client, 3 steps a segment (2 when ``short``)."""
+    n = 2 if run == "cpu_real" else int(run.split("_")[1])
+    per = 8 if n < 32 else 4
+    p = Params(concurrency=per * n, batch=per * n, steps=2 if short else 3)
+    p.train_s = 3.0 * dilate
+    p.warmup_s = (4.0 if short else 8.0) * dilate
+    p.metrics_every_s = 0.5 if n <= 8 else 1.0
+    return p
+
+
+async def calibrate(urls: list[str], p: Params) -> dict[str, float]:
+    """One request alone (tokens/s), ``reload_weights`` seconds, on the real replicas."""
+    from pool.engine import VllmEngine
+
+    async with aiohttp.ClientSession() as http:
+        model = await served_model(http, urls[0])
+        body = {"model": model, "token_ids": list(range(10, 26)),
+                "sampling_params": {"max_tokens": p.max_tokens, "temperature": 1.0,
+                                    "ignore_eos": True}}  # fmt: skip
+        rates = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            async with http.post(urls[0] + "/inference/v1/generate", json=body) as r:
+                data = await r.json()
+            rates.append(len(data["choices"][0]["token_ids"]) / (time.monotonic() - t0))
+    async with VllmEngine(urls[0], timeout=120) as e:
+        await e.bootstrap()
+        path = str(eos_marker(1, p.eos_prob))
+        await e.pause("wait")
+        rpc = await e.collective_rpc("reload_weights", {"weights_path": path}, timeout_s=120)
+        await e.resume()
+    return {"request_tokens_per_s": round(max(rates), 1), "transfer_s": round(rpc.elapsed_s, 3)}
+
+
+async def rounds(
+    run: str,
+    urls: list[str],
+    p: Params,
+    n_rounds: int,
+    work: Path,
+    on_round: Callable[[dict[str, list[Segment]]], Awaitable[None]],
+) -> dict[str, list[Segment]]:
+    segs: dict[str, list[Segment]] = {s: [] for s in STRATEGIES}
+    for r in range(n_rounds):
+        order = STRATEGIES[r % len(STRATEGIES) :] + STRATEGIES[: r % len(STRATEGIES)]
+        for strategy in order:
+            t = time.monotonic()
+            # a fresh directory (so a fresh Redis) per run and segment
+            seg = await run_segment(
+                strategy, urls, p, work / run, seed=r * 10 + len(segs[strategy])
+            )
+            segs[strategy].append(seg)
+            print(f"[{run}] round {r} {strategy}: {time.monotonic() - t:.0f} s, "
+                  f"{len(seg.book.samples)} samples, waits {seg.book.waits} {seg.error}",
+                  flush=True)  # fmt: skip
+            await on_round(segs)  # after every segment: a run cut short keeps what it has
+    return segs
+
+
+class Results:
+    """The results document, rewritten after every segment (a cut-off run keeps what it has)."""
+
+    def __init__(self, path: Path, keep_old: bool) -> None:
+        old = json.loads(path.read_text()) if path.exists() else {}
+        self.doc: dict[str, Any] = {"runs": {}, "params": {}, "calibration": {}}
+        if keep_old:
+            for k in ("runs", "params", "calibration"):
+                self.doc[k] = dict(old.get(k, {}))
+        self.old_calibration: dict[str, float] = dict(old.get("calibration", {}))
+
+    def put(self, run: str, segs: dict[str, list[Segment]], extra: dict[str, Any]) -> None:
+        self.doc["runs"][run] = {s: row(v) for s, v in segs.items() if v}
+        self.doc["params"][run] = extra
+        r = ratios(self.doc["runs"])
+        self.doc["ratios"] = {k: v for k, v in r.items() if k != "per_run"}
+        self.doc["ratios_per_run"] = r["per_run"]
+        self.doc["goals"] = goals(r)
+        write(NAME, self.doc)
+        for name in ("cpu_real", "standin_8", "standin_32", "standin_64"):
+            if name in self.doc["runs"]:
+                figure(self.doc["runs"], name, RESULTS / f"{NAME}.png")
+                self.doc["figure_run"] = name
+                break
+
+
+async def cpu_real(a: argparse.Namespace, res: Results, work: Path) -> None:
+    p = params_for("cpu_real", a.short, 1.0)
+    model = eos_marker(0, p.eos_prob)
+    reps = await start_replicas(model, 2, work / "replicas", name="strategies")
+    try:
+        urls = [r.url for r in reps]
+        cal = await calibrate(urls, p)
+        async with aiohttp.ClientSession() as http:  # trust a replica after one completion
+            await served_model(http, urls[1])
+        from pool.engine import VllmEngine
+
+        engines = [VllmEngine(u, timeout=120) for u in urls]
+        for e in engines:
+            await e.bootstrap()
+        await prepare_replicas(engines, p.eos_prob)
+        for e in engines:
+            await e.aclose()
+
+        async def save(segs: dict[str, list[Segment]]) -> None:
+            rows = {s: row(v) for s, v in segs.items() if v}
+            per_replica = [r["steady_engine_tokens_per_s"] / 2 for r in rows.values()
+                           if r.get("steady_engine_tokens_per_s")]  # fmt: skip
+            if per_replica:
+                cal["replica_tokens_per_s"] = round(sorted(per_replica)[len(per_replica) // 2], 1)
+            res.doc["calibration"] = cal
+            res.put("cpu_real", segs, {"replicas": 2, "short": a.short, **asdict(p)})
+
+        await rounds("cpu_real", urls, p, a.rounds, work, save)
+    finally:
+        await stop_replicas(reps)
+
+
+async def standin(n: int, a: argparse.Namespace, res: Results, work: Path) -> None:
+    run = f"standin_{n}"
+    cal = {**DEFAULT_CALIBRATION, **res.old_calibration, **res.doc.get("calibration", {})}
+    dilate = a.dilate if n >= 32 else 1.0
+    p = params_for(run, a.short, dilate)
+    model = eos_marker(0, p.eos_prob)
+    urls_file = work / f"{run}.json"
+    proc = _spawn(
+        [sys.executable, "-m", "testkit.standin", "--count", str(n), "--model", str(model),
+         "--urls-file", str(urls_file),
+         "--request-tps", str(cal["request_tokens_per_s"] / dilate),
+         "--replica-tps", str(cal["replica_tokens_per_s"] / dilate),
+         "--transfer-s", str(cal["transfer_s"] * dilate)],
+        work / f"{run}.log",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not urls_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((work / f"{run}.log").read_text()[-1500:])
+            await asyncio.sleep(0.2)
+        urls = json.loads(urls_file.read_text())["urls"]
+        extra = {"replicas": n, "short": a.short, "dilate": dilate, "time_model": cal,
+                 **asdict(p)}  # fmt: skip
+
+        async def save(segs: dict[str, list[Segment]]) -> None:
+            res.put(run, segs, extra)
+
+        await rounds(run, urls, p, a.rounds, work, save)
+    finally:
+        terminate(proc)
+
+
+async def main_async(a: argparse.Namespace) -> None:
+    res = Results(RESULTS / f"{NAME}.json", keep_old=a.keep)
+    default_rounds = a.rounds
+    # every policy's checkpoint built before any clock runs (a first build imports torch: tens
+    # of seconds on a loaded box, which a publish must not include)
+    p = params_for("cpu_real", a.short, 1.0)
+    for g in range(MARKERS):
+        await asyncio.to_thread(eos_marker, g, p.eos_prob)
+    with tempfile.TemporaryDirectory(prefix="strategies-") as tmp:
+        for item in a.runs.split(","):
+            run, _, n_rounds = item.partition(":")
+            a.rounds = int(n_rounds) if n_rounds else default_rounds
+            print(f"=== {run} ({a.rounds} rounds)", flush=True)
+            if run == "cpu_real":
+                await cpu_real(a, res, Path(tmp))
+            else:
+                await standin(int(run.split("_")[1]), a, res, Path(tmp))
+    print(json.dumps({"ratios": res.doc.get("ratios"), "goals": res.doc.get("goals")}, indent=1))
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The results as the docs' markdown table (one row per run and strategy)."""
+    cols = [
+        ("useful tok/s", "useful_tokens_per_s"),
+        ("all tok/s", "all_tokens_per_s"),
+        ("idle replica-s / update", "idle_replica_s_per_update"),
+        ("trainer wait s (mean)", "trainer_wait_s_mean"),
+        ("policy lag 0/1/2+", "policy_lag"),
+        ("mixed samples", "mixed_samples"),
+        ("wasted prefill tokens", "wasted_prefill_tokens"),
+        ("cross-gen", "cross_generation_samples"),
+        ("min steady fraction", "min_steady_fraction"),
+    ]
+    out = ["| run | strategy | " + " | ".join(c for c, _ in cols) + " |"]
+    out.append("|---|---|" + "---|" * len(cols))
+    for run, rows in doc["runs"].items():
+        for s, r in rows.items():
+            cells = []
+            for _, key in cols:
+                v = r.get(key)
+                if key == "policy_lag":
+                    lag = {int(k): n for k, n in (v or {}).items()}
+                    n = sum(lag.values()) or 1
+                    late = sum(c for k, c in lag.items() if k >= 2)
+                    v = f"{lag.get(0, 0) / n:.0%}/{lag.get(1, 0) / n:.0%}/{late / n:.0%}"
+                elif isinstance(v, float):
+                    v = f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+                cells.append(str(v))
+            out.append(f"| {run} | {s} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ap = argparse.ArgumentParser(prog="python -m bench.strategies", description=__doc__)
+    ap.add_argument(
+        "--runs",
+        default="cpu_real,standin_8,standin_32,standin_64",
+        help="runs, each optionally with its own number of rounds: cpu_real:3,standin_64:1",
+    )
+    ap.add_argument("--short", action="store_true", help="CI-short: 2 steps per segment")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dilate", type=float, default=2.0, help="time dilation at N >= 32")
+    ap.add_argument("--keep", action="store_true", help="keep other runs already in the file")
+    ap.add_argument("--table", action="store_true", help="print the results file as markdown")
+    a = ap.parse_args(argv)
+    if a.table:
+        print(table(json.loads((RESULTS / f"{NAME}.json").read_text())))
+        return
+    asyncio.run(main_async(a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+"""What a pool on one machine runs besides its replicas and services: a local ``redis-server``
+(:mod:`rolloutpool.local.redis`)."""

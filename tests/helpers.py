@@ -1,0 +1,50 @@
+"""Reads and shortcuts only tests need (product code has no use for them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from pool.store import RedisStore
+from pool.types import Generation, ReplicaState
+
+
+async def begin_drain(
+    store: RedisStore, replica_id: str, token: int, target: Generation, identity: str
+) -> int:
+    """READY -> DRAINING towards ``target``, as the cycle's DrainRequested commits it."""
+    return await store.transition(
+        replica_id,
+        token,
+        ReplicaState.READY,
+        ReplicaState.DRAINING,
+        reason=f"update to {target.label}",
+        target=target,
+        target_identity=identity,
+    )
+
+
+async def active_rollouts(store: RedisStore, replica_id: str) -> set[str]:
+    """The ids of the bindings active on ``replica_id``."""
+    ids: set[str] = await store.r.smembers(store.k.active(replica_id))
+    return ids
+
+
+async def generation_outcomes(store: RedisStore) -> dict[int, dict[str, int]]:
+    """Rollouts ended per generation number and final state (counted by RELEASE)."""
+    raw = await store.r.hgetall(store.k.gen_outcomes)
+    out: dict[int, dict[str, int]] = {}
+    for field, n in raw.items():
+        gen, _, state = str(field).partition(":")
+        out.setdefault(int(gen), {})[state] = int(n)
+    return out
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Wait for a condition (polled: the event is another process's or Redis's)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.01)

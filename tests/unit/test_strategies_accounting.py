@@ -1,0 +1,70 @@
+"""The strategies benchmark's policy accounting and its EOS markers (no server, no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from testkit.models import EOS
+from testkit.scenarios.strategies.models import eos_marker, policy_marker
+from testkit.scenarios.strategies.workload import Piece, Sample, check_markers, pieces_of_spans
+from testkit.standin.weights import load_weights, plan_tokens
+
+
+def _sample(pieces: list[Piece], bound: int | None = None) -> Sample:
+    s = Sample("single", 0.0, 1.0, pieces, step_at_end=2)
+    s.bound = bound
+    return s
+
+
+def test_spans_split_the_output_by_policy() -> None:
+    m1, m2 = policy_marker(1), policy_marker(2)
+    ids = [m1, m1, m2, EOS]
+    spans = [{"version": "g1", "start": 0, "end": 2}, {"version": "g2", "start": 2, "end": 4}]
+    pieces = pieces_of_spans(ids, spans)
+    assert pieces == [Piece(1, (m1, m1)), Piece(2, (m2, EOS))]
+    s = _sample(pieces)
+    assert s.mixed and s.policy is None and s.tokens == 4
+    assert s.cross_generation_tokens == 0
+
+
+def test_one_span_is_one_policy_and_lag_is_step_minus_policy() -> None:
+    m = policy_marker(1)
+    s = _sample(pieces_of_spans([m, m, EOS], [{"version": "g1", "start": 0, "end": 3}]))
+    assert not s.mixed and s.policy == 1 and s.step_at_end - s.policy == 1
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [None, [], [{"version": "g1", "start": 0, "end": 2}], [{"version": "x", "start": 0, "end": 3}]],
+)
+def test_spans_that_do_not_tile_the_output_are_refused(
+    spans: list[dict[str, object]] | None,
+) -> None:
+    with pytest.raises(ValueError):
+        pieces_of_spans([5, 5, 5], spans)
+
+
+def test_a_token_of_another_marker_is_cross_generation() -> None:
+    pieces = [Piece(3, (policy_marker(3), policy_marker(4), EOS))]
+    assert check_markers(pieces) == 1
+    assert _sample(pieces, bound=3).cross_generation_tokens == 1
+
+
+def test_resubmitted_pieces_of_two_policies_make_a_mixed_sample() -> None:
+    s = _sample([Piece(0, (policy_marker(0),)), Piece(1, (policy_marker(1), EOS))])
+    assert s.mixed and s.policies == {0, 1}
+
+
+def test_the_eos_marker_ends_samples_geometrically_on_the_stand_in() -> None:
+    p = 1 / 16
+    w = load_weights(eos_marker(1, p))
+    assert w.marker == policy_marker(1) and w.eos_prob == pytest.approx(p)
+    greedy = plan_tokens(w, b"prompt", 0, 64)
+    assert greedy == [policy_marker(1)] * 64  # greedy never samples EOS
+    lengths = []
+    for i in range(400):
+        toks = plan_tokens(w, b"prompt", 0, 256, nonce=i.to_bytes(4, "little"))
+        assert set(toks) <= {policy_marker(1), EOS}
+        lengths.append(toks.index(EOS) + 1 if EOS in toks else 256)
+    mean = sum(lengths) / len(lengths)
+    assert 12 < mean < 20  # geometric, mean 1/p = 16 (400 draws: sd of the mean about 0.8)
