@@ -255,7 +255,8 @@ async def phase_breakdown(env: Env, rig: Rig) -> None:
     without and with the replica's checksums, alternating, by the same ``/collective_rpc``
     the transport sends; each row has the round trip seen here (``wall_s``), the worker's
     timings and ``rpc_overhead_s`` (``wall_s`` - ``worker_s``). With checksums, they must
-    equal the sender's."""
+    equal the sender's. ``rpc_floor_s``: the round trip of a read-only call with a small answer
+    (``rolloutpool_ipc_check``) by the same path."""
     from pool.checksum import from_json
 
     res = env.result
@@ -270,6 +271,7 @@ async def phase_breakdown(env: Env, rig: Rig) -> None:
     want = rig.staging.checksums(copy)
     engine = env.handles["r0"].engine
     rows: dict[str, list[dict[str, Any]]] = {"copy_only": [], "with_checksums": []}
+    floor: list[float] = []
     await engine.pause()
     try:
         for _ in range(env.args.breakdown_reps):
@@ -286,8 +288,15 @@ async def phase_breakdown(env: Env, rig: Rig) -> None:
                 got = r.pop("checksums", None)
                 r.update(wall_s=wall, rpc_overhead_s=wall - float(r["worker_s"]))
                 if sums:
-                    r["equal_to_sender"] = got is not None and from_json(got) == want
+                    r["equal_to_sender"] = got is not None and from_json(json.loads(got)) == want
                 rows_of.append(r)
+            t0 = now()  # the floor: a read-only call of the same path with a small answer
+            await engine.collective_rpc(
+                "rolloutpool_ipc_check",
+                {"buffer": kwargs["buffer"], "tag": kwargs["tag"]},
+                timeout_s=60.0,
+            )
+            floor.append(now() - t0)
     finally:
         await engine.resume()
     out: dict[str, Any] = {"replica": "r0", "generation": g, "bytes": copy.nbytes}
@@ -300,6 +309,7 @@ async def phase_breakdown(env: Env, rig: Rig) -> None:
         m["reps"] = len(rows_of)
         out[mode] = {"median": m, "rows": rows_of}
     out["checksums_equal"] = all(r.get("equal_to_sender") for r in rows["with_checksums"])
+    out["rpc_floor_s"] = med(floor)
     res["breakdown"] = out
     print(f"breakdown: { {k: v['median'] for k, v in out.items() if isinstance(v, dict)} }")
     env.save()

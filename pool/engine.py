@@ -324,41 +324,54 @@ class VllmEngine:
         reset_running_requests: bool = False,
         timeout_s: float | None = None,
     ) -> CacheResetEvidence:
-        """Reset the prefix cache (checking the body), then the multimodal and encoder caches.
+        """Reset the prefix cache (checking the body), the multimodal and the encoder caches,
+        the three at once (independent caches; one round trip instead of three in a row).
 
         ``/reset_prefix_cache`` answers ``{"success": false}`` while KV blocks are in use; that
         is retried up to ``retries`` attempts in all, sleeping ``backoff_s * 2**k`` (capped at
         2 s) between them, then reported as ``prefix=False`` (not raised). The mm and encoder
         resets answer an empty 200, which is all they prove. Worst-case duration:
-        ``(retries + 2) * timeout_s`` plus the sleeps. HTTP failures raise per the module table,
-        except that a failure of the mm/encoder reset after the prefix reset ran is always
+        ``retries * timeout_s`` plus the sleeps. HTTP failures raise per the module table,
+        except that a ``NoMutation`` of one reset while another may have run is
         ``AmbiguousMutation`` (``partial=True``): resets are idempotent, so retrying is safe.
         """
         if retries < 1:
             raise ValueError("retries must be >= 1")
         params = {"reset_running_requests": "true"} if reset_running_requests else None
-        prefix = False
-        attempts = 0
-        for attempt in range(retries):
-            attempts = attempt + 1
-            r = await self._call(
-                "POST", "/reset_prefix_cache", mutating=True, timeout_s=timeout_s, params=params
-            )
-            success = self._body(r, mutating=True).get("success")
-            if not isinstance(success, bool):
-                raise self._unexpected(r, "no boolean 'success' in the body", mutating=True)
-            if success:
-                prefix = True
-                break
-            if attempt + 1 < retries:
-                await asyncio.sleep(min(backoff_s * 2**attempt, 2.0))
-        try:
-            await self._call("POST", "/reset_mm_cache", mutating=True, timeout_s=timeout_s)
-            await self._call("POST", "/reset_encoder_cache", mutating=True, timeout_s=timeout_s)
-        except NoMutation as e:  # the prefix reset already ran: the caches are not untouched
-            raise AmbiguousMutation(
-                f"cache reset partly done: {e.message}", **{**e.context, "partial": True}
-            ) from e
+
+        async def prefix_reset() -> int:
+            """Attempts until success (0: never succeeded)."""
+            for attempt in range(retries):
+                r = await self._call(
+                    "POST", "/reset_prefix_cache", mutating=True, timeout_s=timeout_s, params=params
+                )
+                success = self._body(r, mutating=True).get("success")
+                if not isinstance(success, bool):
+                    raise self._unexpected(r, "no boolean 'success' in the body", mutating=True)
+                if success:
+                    return attempt + 1
+                if attempt + 1 < retries:
+                    await asyncio.sleep(min(backoff_s * 2**attempt, 2.0))
+            return 0
+
+        done = await asyncio.gather(
+            prefix_reset(),
+            self._call("POST", "/reset_mm_cache", mutating=True, timeout_s=timeout_s),
+            self._call("POST", "/reset_encoder_cache", mutating=True, timeout_s=timeout_s),
+            return_exceptions=True,
+        )
+        errors = [e for e in done if isinstance(e, BaseException)]
+        if errors:
+            e = errors[0]
+            if isinstance(e, NoMutation) and len(errors) < len(done):  # another reset ran
+                raise AmbiguousMutation(
+                    f"cache reset partly done: {e.message}", **{**e.context, "partial": True}
+                ) from e
+            raise e
+        succeeded_at = done[0]
+        assert isinstance(succeeded_at, int)
+        prefix = succeeded_at > 0
+        attempts = succeeded_at or retries
         detail = "" if prefix else f"prefix cache reset reported success=false {attempts} times"
         return CacheResetEvidence(
             prefix=prefix, multimodal=True, encoder=True, attempts=attempts, detail=detail

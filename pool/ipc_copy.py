@@ -14,18 +14,22 @@ tensor (a strided copy). :class:`Prepared` binds a plan to one opened buffer: ev
 (destination, source) view and the checksum batch are built once, and the extension reuses it
 for every transfer from that buffer while the runtime parameters stay where they are.
 
-**A transfer** (:meth:`Prepared.run`) queues every copy on the current stream (no host sync
-between them), then the checksums of every piece (:class:`Sums`), then waits once. The
-checksums are computed over the runtime views after the copies (what the replica serves,
-where it serves it: a piece landed in the wrong place, or a bit changed in the staged copy,
-changes its checksum), not over the source.
+**A transfer** (:meth:`Prepared.run`) queues everything on the current stream (no host sync
+in between), then waits once. Without checksums it is one device-to-device copy per
+:class:`Copy`. With them, on CUDA, every piece the copy kernel can move (whole, contiguous,
+16-bit words or wider, 16-byte aligned at both ends: every piece of a dense bf16 model on one
+GPU) is copied *and* checksummed in one pass, one launch for all of them
+(:func:`pool.ipc_sums.copy_sums`): the checksums are those of the words written into the
+runtime parameters, so a piece landed in the wrong place or a bit changed in the staged copy
+changes them. The other pieces (a tensor-parallel slice, a one-byte dtype) are copied as
+above and checksummed over the runtime views after their copies (:class:`Sums`).
 
 **Checksums** (:class:`Sums`, the definition of :mod:`pool.checksum`): on CUDA, every piece of
 16-bit words at a 16-byte aligned address in one launch of the batched Triton kernel
-(:mod:`pool.ipc_sums`) and one fold; the kernel is trusted only after it reproduced
-:mod:`pool.checksum` exactly on test tensors in this process (:func:`batched_kernel`), else
-(or without Triton, or for other pieces) per piece by :class:`pool.checksum.Pending`. On CPU
-(tests) per piece with numpy.
+(:mod:`pool.ipc_sums`) and one fold, else (or without Triton, or for other pieces) per piece by
+:class:`pool.checksum.Pending`; on CPU (tests) per piece with numpy. Both Triton kernels are
+trusted only after they reproduced :mod:`pool.checksum` (the copy kernel also every source bit)
+on test tensors in this process (:func:`batched_kernels`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pool.checksum import MODULUS, Checksum, Pending, tensor_checksums, to_json
 from pool.ipc_handles import Entry
 from pool.shards import Piece
 
-__all__ = ["BLOCK", "Copy", "Prepared", "Sums", "batched_kernel", "block_table", "plan"]
+__all__ = ["BLOCK", "Copy", "Prepared", "Sums", "batched_kernels", "block_table", "plan"]
 
 
 def _torch() -> Any:
@@ -107,18 +111,19 @@ def plan(entries: list[Entry], pieces: list[Piece], names: list[str]) -> list[Co
 
 # ------------------------------------------------------------------------------ checksums
 
-BLOCK = 16384  #: words per program of the batched kernel (<= MODULUS, a multiple of 16)
-_KERNEL: dict[str, Any] = {}
+BLOCK = 16384  #: words per program of the batched kernels (<= MODULUS, a multiple of ipc_sums.SUB)
+_KERNELS: dict[str, Any] = {}
 
 
-def batched_kernel(device: Any) -> tuple[Any, str]:
-    """:func:`pool.ipc_sums.batched_sums` once it reproduced :func:`pool.checksum.
-    tensor_checksums` bit for bit on test tensors on ``device`` (odd lengths, partial blocks,
-    a view into a larger allocation): ``(fn, "")``, else ``(None, why)``. Decided once per
-    process (the first call compiles the kernel)."""
-    if "fn" in _KERNEL:
-        return _KERNEL["fn"], _KERNEL["why"]
-    fn, why = None, ""
+def batched_kernels(device: Any) -> tuple[Any, Any, str]:
+    """:func:`pool.ipc_sums.batched_sums` and :func:`pool.ipc_sums.copy_sums` once each
+    reproduced :func:`pool.checksum.tensor_checksums` bit for bit on test tensors on ``device``
+    (odd lengths, partial blocks, a view into a larger allocation, a tensor past the position
+    weights' wrap), the copy also every source bit: ``(sums, copy, "")``, else ``None`` for a
+    kernel that did not, and why. Decided once per process (the first call compiles them)."""
+    if "sums" in _KERNELS:
+        return _KERNELS["sums"], _KERNELS["copy"], _KERNELS["why"]
+    sums_fn, copy_fn, why = None, None, ""
     try:
         mod = importlib.import_module("pool.ipc_sums")
         torch = _torch()
@@ -128,15 +133,34 @@ def batched_kernel(device: Any) -> tuple[Any, str]:
         big = big.to(torch.int16)
         tests = [big[:1], big[8 : 8 + BLOCK], big[16 : 16 + 2 * BLOCK + 3], big]
         tests.append(torch.randn(7, 9, generator=g, device=device).bfloat16())
-        table = _table([t.view(torch.int16) for t in tests])
-        rows = mod.batched_sums(*table, BLOCK, MODULUS).cpu().tolist()
-        want = tensor_checksums((str(i), t) for i, t in enumerate(tests))
-        bad = [i for i, t in enumerate(want.values()) if [t.plain, t.weighted] != rows[i]]
-        fn, why = (mod.batched_sums, "") if not bad else (None, f"self-test differs: {bad}")
+        wraps = torch.randint(-(2**15), 2**15, (2 * MODULUS + 77,), generator=g, device=device)
+        tests.append(wraps.to(torch.int16))
+        words = [t.view(torch.int16).reshape(-1) for t in tests]
+        src, seg, start, nwords = _table(words)
+        want = [[c.plain, c.weighted] for c in tensor_checksums(_named(tests)).values()]
+        rows = mod.batched_sums(src, seg, start, nwords, BLOCK, MODULUS).cpu().tolist()
+        bad = [i for i, r in enumerate(rows) if r != want[i]]
+        sums_fn, why = (mod.batched_sums, "") if not bad else (None, f"sums differ: {bad}")
+        dsts = [torch.zeros_like(w) for w in words]
+        dst = torch.tensor([int(d.data_ptr()) for d in dsts], dtype=torch.int64, device=device)
+        rows = mod.copy_sums(src, dst, seg, start, nwords, BLOCK, MODULUS).cpu().tolist()
+        bad = [
+            i
+            for i, (r, d, w) in enumerate(zip(rows, dsts, words, strict=True))
+            if r != want[i] or not torch.equal(d, w)
+        ]
+        if not bad:
+            copy_fn = mod.copy_sums
+        else:
+            why = f"{why}; copy differs: {bad}".lstrip("; ")
     except Exception as e:  # no Triton, a compile error: the per-piece kernels stay
         why = f"{type(e).__name__}: {e}"[:300]
-    _KERNEL.update(fn=fn, why=why)
-    return fn, why
+    _KERNELS.update(sums=sums_fn, copy=copy_fn, why=why)
+    return sums_fn, copy_fn, why
+
+
+def _named(tensors: list[Any]) -> list[tuple[str, Any]]:
+    return [(str(i), t) for i, t in enumerate(tensors)]
 
 
 def block_table(nwords: list[int], block: int) -> tuple[list[int], list[int]]:
@@ -156,7 +180,7 @@ def _table(words: list[Any]) -> tuple[Any, Any, Any, Any]:
     on one device, 16-byte aligned): addresses, block table, lengths."""
     torch = _torch()
     seg, start = block_table([int(w.numel()) for w in words], BLOCK)
-    i64 = {"dtype": torch.int64, "device": words[0].device}
+    i64 = _i64(words[0].device)
     return (
         torch.tensor([int(w.data_ptr()) for w in words], **i64),
         torch.tensor(seg, **i64),
@@ -186,7 +210,7 @@ class Sums:
         device = named[0][1].device if named else None
         if device is None or device.type != "cuda":
             return
-        fn, self.why = batched_kernel(device)
+        fn, _, self.why = batched_kernels(device)
         self.kernel = "per_piece"
         if fn is None:
             return
@@ -230,39 +254,111 @@ class Sums:
 # ------------------------------------------------------------------------------ a transfer
 
 
+def _fusable(entry: Entry, piece: Piece, buffer: Any) -> bool:
+    """Whether the copy kernel can move ``entry`` into ``piece`` (whole, contiguous, 16-bit
+    words or wider, both ends 16-byte aligned)."""
+    dst = piece.view
+    return (
+        piece.slice is None
+        and dst.is_contiguous()
+        and dst.element_size() >= 2
+        and entry.nbytes == _bytes(piece)
+        and entry.nbytes % 2 == 0
+        and int(dst.data_ptr()) % 16 == 0
+        and (int(buffer.data_ptr()) + entry.offset) % 16 == 0
+    )
+
+
+class _Fused:
+    """The pieces the copy kernel moves and checksums in one launch (table built once)."""
+
+    def __init__(self, fn: Any, triples: list[tuple[str, Any, Any]]) -> None:
+        torch = _torch()
+        self.fn = fn
+        self.named = [(name, dst) for name, dst, _ in triples]
+        src = [s.reshape(-1).view(torch.int16) for _, _, s in triples]
+        dst = [d.reshape(-1).view(torch.int16) for _, d, _ in triples]
+        self.src, self.seg, self.start, self.nwords = _table(src)
+        self.dst = torch.tensor([int(d.data_ptr()) for d in dst], **_i64(dst[0].device))
+
+    def launch(self) -> Any:
+        return self.fn(self.src, self.dst, self.seg, self.start, self.nwords, BLOCK, MODULUS)
+
+    def collect(self, rows: Any) -> dict[str, Checksum]:
+        out: dict[str, Checksum] = {}
+        for (name, t), (plain, weighted) in zip(self.named, rows.cpu().tolist(), strict=True):
+            out[name] = Checksum(_dtype_name(t), tuple(int(d) for d in t.shape), plain, weighted)
+        return out
+
+
+def _i64(device: Any) -> dict[str, Any]:
+    return {"dtype": _torch().int64, "device": device}
+
+
 class Prepared:
     """``copies`` bound to ``buffer`` (see the module docstring): build once, :meth:`run` per
     transfer. Holds views of the buffer and of the runtime parameters (keeping both alive)."""
 
     def __init__(self, buffer: Any, copies: list[Copy]) -> None:
         self.buffer = buffer
-        self.pairs = [c.views(buffer) for c in copies]
         self.copies = len(copies)
         self.nbytes = sum(c.nbytes for c in copies)
         self.named = [(n, p.view) for c in copies for n, p in zip(c.names, c.pieces, strict=True)]
-        self._sums: Sums | None = None
+        self._all = copies
+        self._checked: tuple[_Fused | None, list[tuple[Any, Any]], Sums] | None = None
+        self._pairs: list[tuple[Any, Any]] | None = None
 
-    def sums(self) -> Sums:
-        """The checksum batch of every piece (built on first use)."""
-        if self._sums is None:
-            self._sums = Sums(self.named)
-        return self._sums
+    def _plain(self) -> list[tuple[Any, Any]]:
+        """Every copy as ``(destination, source)`` (a transfer without checksums)."""
+        if self._pairs is None:
+            self._pairs = [c.views(self.buffer) for c in self._all]
+        return self._pairs
+
+    def _with_sums(self) -> tuple[_Fused | None, list[tuple[Any, Any]], Sums]:
+        """A transfer with checksums: the copy kernel's part (every copy whose pieces it can
+        move, on CUDA, once it passed its self-test), the other copies, and the checksum batch
+        of their pieces (built on first use)."""
+        if self._checked is None:
+            fn = None
+            if self.buffer.device.type == "cuda":
+                _, fn, _ = batched_kernels(self.buffer.device)
+            fused: list[tuple[str, Any, Any]] = []
+            rest: list[Copy] = []
+            for c in self._all:
+                pairs = list(zip(c.entries, c.pieces, strict=True))
+                if fn is not None and all(_fusable(e, p, self.buffer) for e, p in pairs):
+                    fused += [
+                        (n, p.view, e.view(self.buffer))
+                        for (e, p), n in zip(pairs, c.names, strict=True)
+                    ]
+                else:
+                    rest.append(c)
+            others = [(n, p.view) for c in rest for n, p in zip(c.names, c.pieces, strict=True)]
+            self._checked = (
+                _Fused(fn, fused) if fused else None,
+                [c.views(self.buffer) for c in rest],
+                Sums(others),
+            )
+        return self._checked
 
     def run(self, *, checksums: bool) -> dict[str, Any]:
-        """Copy everything (no autograd), then checksum every piece (``checksums``), and wait.
-        Returns ``copies``, ``bytes``, ``queue_s`` (host time to queue it all), ``run_s``
+        """Copy everything (no autograd) and, with ``checksums``, checksum every piece, then
+        wait. Returns ``copies``, ``bytes``, ``queue_s`` (host time to queue it all), ``run_s``
         (from the first copy queued to the last result on the host), on CUDA ``copy_gpu_s``
-        and ``checksum_gpu_s`` (device time between events), and with ``checksums``
-        ``"checksums"`` (:func:`~pool.checksum.to_json`) and ``checksum_kernel``."""
+        (the copies, with the checksums the copy kernel computes on the way) and
+        ``checksum_gpu_s`` (the other pieces' checksums: device time between events), and with
+        ``checksums`` ``"checksums"`` (:func:`~pool.checksum.to_json`), ``checksum_kernel``
+        and ``fused`` (pieces copied and checksummed in one pass)."""
         torch = _torch()
         cuda = self.buffer.device.type == "cuda"
-        sums = self.sums() if checksums else None
+        fused, pairs, sums = self._with_sums() if checksums else (None, self._plain(), None)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
         t0 = time.perf_counter()
         with torch.no_grad():
             if events:
                 events[0].record()
-            for dst, src in self.pairs:
+            rows = fused.launch() if fused is not None else None
+            for dst, src in pairs:
                 dst.copy_(src)
             if events:
                 events[1].record()
@@ -271,6 +367,8 @@ class Prepared:
                 events[2].record()
         queue_s = time.perf_counter() - t0
         got = sums.collect(launched) if sums is not None and launched is not None else None
+        if got is not None and fused is not None:
+            got.update(fused.collect(rows))
         if events:
             events[2].synchronize()
         out: dict[str, Any] = {
@@ -283,8 +381,10 @@ class Prepared:
             out["copy_gpu_s"] = events[0].elapsed_time(events[1]) / 1e3
             out["checksum_gpu_s"] = events[1].elapsed_time(events[2]) / 1e3
         if sums is not None and got is not None:
-            out["checksums"] = to_json(got)
-            out["checksum_kernel"] = sums.kernel
+            out["checksums"] = to_json({name: got[name] for name, _ in self.named})
+            kernels = ([] if fused is None else ["copy"]) + ([sums.kernel] if sums.named else [])
+            out["checksum_kernel"] = "+".join(kernels) or sums.kernel
+            out["fused"] = 0 if fused is None else len(fused.named)
             if sums.why:
                 out["checksum_kernel_why"] = sums.why
         return out

@@ -395,9 +395,9 @@ class WeightExtension:
         unreachable or unopenable buffer, or a buffer that no longer holds ``tag``. Once the
         copies began, a failure raises (the weights are partly written), and so does a buffer
         whose tag changed by the end of the copy (rewritten meanwhile: torn). ``checksums``
-        (JSON ``true``): the :mod:`pool.checksum` checksums of every piece copied, computed
-        over the runtime views after the copies, under ``"checksums"`` (TP > 1:
-        ``"<name>@tp<rank>"``).
+        (JSON ``true``): the :mod:`pool.checksum` checksums of every piece copied (of the words
+        written: :mod:`pool.ipc_copy`), under ``"checksums"`` as one JSON string of
+        :func:`~pool.checksum.to_json` (TP > 1: ``"<name>@tp<rank>"``).
 
         The plan (:class:`pool.ipc_copy.Prepared`: names resolved, views built, the checksum
         batch) is kept per ``(buffer, entries, rank)`` and reused while every runtime parameter
@@ -432,6 +432,8 @@ class WeightExtension:
         out = prepared.run(checksums=bool(json.loads(checksums)))
         if read_tag(prepared.buffer) != want:
             raise RuntimeError(f"the staging buffer changed during the copy of {want}: torn")
+        if "checksums" in out:  # one string: each hop of vLLM's RPC path re-encodes objects
+            out["checksums"] = json.dumps(out["checksums"])
         out.update(
             received=len(prepared.named),
             tp_rank=rank,

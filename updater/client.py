@@ -135,8 +135,8 @@ class UpdaterClient:
         copy); the checkpoint written from the staged copy (at ``checkpoint``, absolute, new),
         the probe (``probe``, or ``probe(checkpoint)``) and ``POST /v1/updates`` follow in the
         background (:meth:`StagedPush.record`). ``slots`` staged copies are kept (the first
-        call decides); push the next module only once the previous update ended. See
-        :mod:`updater.transports.ipc.pusher`."""
+        call decides); push the next module only while at most ``slots - 2`` earlier updates
+        have not ended. See :mod:`updater.transports.ipc.pusher`."""
         if self._pusher is None:
             from updater.transports.ipc.pusher import ModulePusher
 

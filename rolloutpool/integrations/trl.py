@@ -75,10 +75,13 @@ model's weights on its GPU (:meth:`updater.client.UpdaterClient.push_module`: on
 device-to-device copy, :attr:`Update.staging_copy_s`) and returns; the checkpoint is written
 *from the staged copy* in the background and confirmed (fsynced) before the update is
 submitted, the probe computed from it, and the replicas copy the weights from the staged copy
-over CUDA IPC. That checkpoint is the generation's recovery source when the staged copy is gone
-(two copies are kept: the latest published one stays while the next rolls). With
-``wait=False`` the stall per update is the staging copy plus waiting for the previous update if
-it has not ended yet. A failed update raises
+over CUDA IPC. That checkpoint is the generation's recovery source when the staged copy is gone.
+With ``wait=False`` up to two updates are in flight (one rolling, the next queued behind it in
+the updater), so a push waits only while the older of the two earlier pushes has not ended, and
+the stall per update is the staging copy plus that wait, if any; three staged copies are kept
+(the latest published one, the one rolling, the one queued: three times the weights' bytes on
+the trainer's GPU). With ``wait=True`` one is in flight and two copies are kept. A failed update
+raises
 :class:`updater.client.UpdateFailed` from the callback, which stops training; the pool keeps
 serving the last committed generation and the checkpoint stays on disk.
 
@@ -98,7 +101,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -180,6 +183,20 @@ class Update:
     rolled_s: float | None = None  # push → every replica serves it (None while in flight)
     staging_copy_s: float | None = None  # weights_from="gpu_memory": the staging copy
     windows_s: dict[str, float] = field(default_factory=dict)  # per replica QUIESCED→READY
+
+
+@dataclass(frozen=True)
+class _Submitted:
+    record: dict[str, Any]
+    pushed_at: float
+
+
+@dataclass(frozen=True)
+class _Staged:
+    push: StagedPush
+    step: int
+    pushed_at: float
+    stall_s: float  # the callback's stall for this push
 
 
 @dataclass
@@ -268,10 +285,9 @@ class PoolLink:
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="pool-rollout")
         self._lock = threading.Lock()
         self._base: tuple[str, int] | None = None  # (label, step) without sync_on_start
-        self._in_flight: tuple[dict[str, Any], float] | None = None  # (record, pushed at)
-        # weights_from="gpu_memory": the push still in the background, its step, when it began
-        # and the callback's stall so far
-        self._staged: tuple[StagedPush, int, float, float] | None = None
+        # the updates in flight, oldest first: a submitted update (its record, when it was
+        # pushed) or, weights_from="gpu_memory", a push still in the background
+        self._flight: deque[_Submitted | _Staged] = deque()
         self.samples: list[Sample] = []
         self.updates: list[Update] = []
         self.refused: Counter[str] = Counter()  # retried answers by error code
@@ -479,9 +495,13 @@ class PoolLink:
         if latest is not None:
             self._base = (str(latest["label"]), step)
 
+    def _overlap(self) -> int:
+        """Updates that may stay in flight while the next one is pushed (module docstring)."""
+        return 1 if self.weights_from == "gpu_memory" and not self.wait else 0
+
     def _push(self, model: Any, processing_class: Any, step: int) -> None:
         t0 = time.monotonic()
-        self._settle()  # at most one update in flight
+        self._settle(keep=self._overlap())
         if self.weights_from == "gpu_memory":
             self._push_from_memory(model, processing_class, step, t0)
             return
@@ -493,7 +513,7 @@ class PoolLink:
         rec = self._updater.push(
             ckpt, probe=probe, step=step, label=f"{self.run}-step{step}", trainer_run=self.run
         )
-        self._in_flight = (rec, time.monotonic())
+        self._flight.append(_Submitted(rec, time.monotonic()))
         self.updates.append(
             Update(
                 step=step,
@@ -525,35 +545,38 @@ class PoolLink:
             label=f"{self.run}-step{step}",
             trainer_run=self.run,
             save_extra=save_extra,
+            slots=2 + self._overlap(),
         )
-        self._staged = (staged, step, t0, time.monotonic() - t0)
+        self._flight.append(_Staged(staged, step, t0, time.monotonic() - t0))
         if self.wait:
             self._settle()
             self.updates[-1] = replace(self.updates[-1], stall_s=time.monotonic() - t0)
 
-    def _settle(self) -> None:
-        """Wait for the update in flight (if any); raises UpdateFailed if it did not succeed."""
-        if self._staged is not None:
-            staged, step, t0, stall = self._staged
-            self._staged = None
+    def _settle(self, keep: int = 0) -> None:
+        """Wait, oldest first, until at most ``keep`` updates are in flight; raises
+        UpdateFailed for one that did not succeed."""
+        while len(self._flight) > keep:
+            self._finish(self._flight.popleft())
+
+    def _finish(self, flight: _Submitted | _Staged) -> None:
+        """Wait for one update in flight to end and record how it rolled."""
+        if isinstance(flight, _Staged):
+            staged = flight.push
             rec = staged.record(timeout_s=self.update_timeout_s)
-            self._in_flight = (rec, t0)
             self.updates.append(
                 Update(
-                    step=step,
+                    step=flight.step,
                     generation=int(rec["generation"]),
                     label=rec["label"],
                     identity_digest=rec["identity_digest"],
                     update_id=rec["id"],
                     checkpoint=str(staged.checkpoint),
-                    stall_s=stall,
+                    stall_s=flight.stall_s,
                     staging_copy_s=staged.stall_s,
                 )
             )
-        if self._in_flight is None:
-            return
-        rec, pushed = self._in_flight
-        self._in_flight = None
+            flight = _Submitted(rec, flight.pushed_at)
+        rec = flight.record
         done = self._updater.wait(rec["id"], timeout_s=self.update_timeout_s)
         windows = {
             rid: float(r["window_s"])
@@ -562,7 +585,8 @@ class PoolLink:
         }
         for i, u in enumerate(self.updates):
             if u.update_id == rec["id"]:
-                self.updates[i] = replace(u, rolled_s=time.monotonic() - pushed, windows_s=windows)
+                rolled = time.monotonic() - flight.pushed_at
+                self.updates[i] = replace(u, rolled_s=rolled, windows_s=windows)
 
     def _save(self, model: Any, processing_class: Any, step: int) -> Path:
         out = self.checkpoint_dir / f"step-{step:06d}"

@@ -3,8 +3,9 @@
 The sender (this process) stages tensors (:class:`~updater.transports.ipc.IpcStaging`) and
 exports the slot's handle as JSON (:mod:`pool.ipc_handles`); a spawned child opens it by the
 GPU's UUID, checks the tag, copies every entry into tensors of its own
-(:mod:`pool.ipc_copy`, merged copies) and returns their checksums (the batched kernel of
-:mod:`pool.ipc_sums`, trusted after its self-test), which must equal the sender's. A GPU the
+(:mod:`pool.ipc_copy`) and returns their checksums (the copy kernel of :mod:`pool.ipc_sums`
+copies and checksums every entry in one pass, trusted after its self-test), which must equal
+the sender's. A GPU the
 child cannot see is refused before anything is opened. Seconds; run on the
 GPU host first (``tests/gpu/README.md``), before ``bench/gpu_ipc.py``.
 """
@@ -41,7 +42,8 @@ def _child(handle: dict[str, Any], entries: list[list[Any]], tag: int, out: Any)
         pieces.append(Piece(e.shape, e.dtype, view, None))
         at += e.nbytes
     got = Prepared(buf, plan(ents, pieces, [e.name for e in ents])).run(checksums=True)
-    out.put({k: got.get(k) for k in ("checksums", "copies", "checksum_kernel", "copy_gpu_s")})
+    keys = ("checksums", "copies", "checksum_kernel", "fused", "copy_gpu_s")
+    out.put({k: got.get(k) for k in keys})
     assert from_json(got["checksums"])
 
 
@@ -66,11 +68,11 @@ def test_a_spawned_process_copies_the_staged_copy_bit_exact() -> None:
     got = q.get(timeout=120)
     p.join(60)
     assert p.exitcode == 0
-    assert got["checksum_kernel"] == "batched"
+    assert got["checksum_kernel"] == "copy" and got["fused"] == len(named)
     assert from_json(got["checksums"]) == from_json(
         json.loads(json.dumps(to_json(staging.checksums(copy))))
     )
-    assert got["copies"] == 1  # consecutive in the buffer and in the fused parameter
+    assert got["copies"] == 1  # consecutive in the buffer and in one parameter
     assert resolve_device("GPU-00000000-0000-0000-0000-000000000000", 0)[0] is None
 
 

@@ -171,6 +171,28 @@ async def test_reset_succeeds_after_transient_false() -> None:
     await engine.aclose()
 
 
+async def test_a_reset_refused_while_another_ran_is_ambiguous() -> None:
+    """The three resets go out at once: the mm reset never reached the server while the
+    prefix and encoder resets ran, so the caches are neither untouched nor reset."""
+    ran: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/reset_mm_cache":
+            raise httpx.ConnectError("refused", request=request)
+        ran.append(request.url.path)
+        if request.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(200)
+
+    engine = make_engine(answer)
+    await engine.bootstrap()
+    with pytest.raises(AmbiguousMutation, match="partly done") as e:
+        await engine.reset_caches(retries=1)
+    assert e.value.context.get("partial") is True
+    assert sorted(ran) == ["/reset_encoder_cache", "/reset_prefix_cache"]
+    await engine.aclose()
+
+
 async def test_reset_body_without_success_is_ambiguous() -> None:
     engine = make_engine(lambda r: httpx.Response(200, text="OK"))
     await engine.bootstrap()

@@ -186,6 +186,23 @@ async def test_a_cut_transfer_is_caught_by_the_checksums(ipc: Registry) -> None:
     assert evidence.missing == 2 and not evidence.proves_equal
 
 
+async def test_a_copy_whose_checksums_are_unreadable_is_ambiguous(ipc: Registry) -> None:
+    """The worker copied, then answered checksums that are not the JSON string it sends: the
+    weights changed, and nothing proves which: AmbiguousMutation."""
+    model, _staging, transport, engine, server, target, ckpt = setup(ipc)
+    real = server.worker.rolloutpool_ipc_copy
+
+    def garbled(**kw: str) -> dict[str, Any]:
+        out = dict(real(**kw))
+        out["checksums"] = "{not json"
+        return out
+
+    server.worker.rolloutpool_ipc_copy = garbled
+    with pytest.raises(AmbiguousMutation, match="checksums are unreadable"):
+        await transport.transfer(engine, target)
+    assert all(torch.equal(t, ckpt[n]) for n, t in served(model).items())
+
+
 async def test_refusals_before_any_write_are_no_mutation(ipc: Registry) -> None:
     model, staging, transport, engine, server, target, _ckpt = setup(ipc, slots=1)
     await transport.preflight(engine, target)
@@ -343,9 +360,12 @@ def test_the_block_table_covers_every_word_once_and_folds_to_the_checksums() -> 
     assert sums.tolist() == [[c.plain, c.weighted] for c in want.values()]
 
 
-def test_the_batched_kernel_matches_the_checksums_in_tritons_interpreter() -> None:
+def test_the_batched_kernels_match_the_checksums_in_tritons_interpreter() -> None:
     """:mod:`pool.ipc_sums` itself, on CPU tensors, where Triton is installed (its interpreter
-    must be chosen before the kernel is defined: a subprocess)."""
+    must be chosen before the kernels are defined: a subprocess): both kernels pass the
+    self-test the replica runs before trusting them, and the copy kernel's pieces (a bf16
+    matrix, a vector, a tensor past the weights' wrap) land bit for bit with the checksums of
+    :mod:`pool.checksum`."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -353,15 +373,18 @@ def test_the_batched_kernel_matches_the_checksums_in_tritons_interpreter() -> No
 
     code = (
         "import torch\n"
-        "from pool.ipc_copy import BLOCK, _table\n"
         "from pool.checksum import MODULUS, tensor_checksums\n"
-        "from pool.ipc_sums import batched_sums\n"
+        "from pool.ipc_copy import _Fused, batched_kernels\n"
+        "sums, copy, why = batched_kernels(torch.device('cpu'))\n"
+        "assert sums is not None and copy is not None and why == '', why\n"
         "g = torch.Generator().manual_seed(2)\n"
-        "big = torch.randint(-2**15, 2**15, (3 * BLOCK + 40,), generator=g).to(torch.int16)\n"
-        "ts = [big[:1], big[8 : 8 + BLOCK], big[16 : 16 + 2 * BLOCK + 3], big]\n"
-        "rows = batched_sums(*_table(ts), BLOCK, MODULUS).tolist()\n"
-        "want = tensor_checksums((str(i), t) for i, t in enumerate(ts))\n"
-        "assert rows == [[c.plain, c.weighted] for c in want.values()], rows\n"
+        "src = [torch.randn(33, 70, generator=g).bfloat16(), torch.randn(5, generator=g),\n"
+        "       torch.randint(-2**15, 2**15, (MODULUS + 9,), generator=g).to(torch.int16)]\n"
+        "dst = [torch.zeros_like(t) for t in src]\n"
+        "f = _Fused(copy, [(str(i), d, s) for i, (d, s) in enumerate(zip(dst, src))])\n"
+        "got = f.collect(f.launch())\n"
+        "assert all(torch.equal(d, s) for d, s in zip(dst, src))\n"
+        "assert got == tensor_checksums((str(i), t) for i, t in enumerate(src)), got\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)

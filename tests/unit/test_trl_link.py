@@ -10,6 +10,7 @@ router and replicas.
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -269,3 +270,63 @@ def test_rolloutpool_imports_without_trl() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "pip install 'rolloutpool[trl]'" in out.stdout
+
+
+class StagingUpdater:
+    """The updater client as PoolLink uses it from GPU memory: each push is staged and queued
+    at once (a resolved future), and ``wait`` blocks until the test ends that update."""
+
+    def __init__(self) -> None:
+        self.ended: dict[str, threading.Event] = {}
+        self.waited: list[str] = []
+        self.calls: queue.Queue[str] = queue.Queue()  # every wait, as it begins
+        self.slots: list[int] = []
+
+    def push_module(self, model: Any, checkpoint: Path, *, slots: int, **kw: Any) -> Any:
+        from concurrent.futures import Future
+
+        from updater.transports.ipc.pusher import StagedPush
+
+        self.slots.append(slots)
+        uid = f"u{len(self.ended) + 1}"
+        self.ended[uid] = threading.Event()
+        done: Future[dict[str, Any]] = Future()
+        done.set_result(
+            {"id": uid, "generation": len(self.ended), "label": uid, "identity_digest": uid}
+        )
+        return StagedPush(None, checkpoint, 0.001, done)  # type: ignore[arg-type]
+
+    def wait(self, update_id: str, timeout_s: float | None = None) -> dict[str, Any]:
+        self.waited.append(update_id)
+        self.calls.put(update_id)
+        assert self.ended[update_id].wait(10)
+        return {"replicas": {}}
+
+    def close(self) -> None:
+        pass
+
+
+def test_from_gpu_memory_a_push_waits_only_for_the_older_of_two_in_flight(
+    link: PoolLink,
+) -> None:
+    """wait=False from GPU memory: two updates may be in flight, so the third push waits for
+    the first to end (not the second), and three staged copies are kept for it."""
+    fake = StagingUpdater()
+    link._updater = fake  # type: ignore[assignment]
+    link.weights_from, link.wait = "gpu_memory", False
+    link._push(None, None, 2)
+    link._push(None, None, 4)  # the first is still rolling: no wait
+    assert fake.waited == [] and fake.slots == [3, 3]
+    third = threading.Thread(target=link._push, args=(None, None, 6))
+    third.start()
+    assert fake.calls.get(timeout=10) == "u1"  # held by the first update only
+    assert third.is_alive()
+    fake.ended["u1"].set()
+    third.join(10)
+    assert not third.is_alive() and fake.waited == ["u1"]
+    assert [u.update_id for u in link.updates] == ["u1"]
+    for e in fake.ended.values():
+        e.set()
+    link._settle()
+    assert fake.waited == ["u1", "u2", "u3"]
+    assert [u.step for u in link.updates] == [2, 4, 6]

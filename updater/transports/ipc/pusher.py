@@ -118,8 +118,9 @@ class Pushes(Protocol):
 
 class ModulePusher:
     """Pushes modules from GPU memory through ``client`` (module docstring). ``slots``: staged
-    copies kept (2: the latest published one stays while the next rolls; call :meth:`push`
-    only once the previous update ended). One caller thread."""
+    copies kept; a push rewrites the oldest, so call :meth:`push` only while at most
+    ``slots - 2`` earlier updates have not ended (2: the latest published copy stays while the
+    next rolls; 3: one rolling and one queued behind it). One caller thread."""
 
     def __init__(self, client: Pushes, *, slots: int = 2) -> None:
         self.client = client

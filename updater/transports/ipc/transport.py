@@ -72,6 +72,16 @@ __all__ = ["IpcDirectTransport"]
 RankShards = dict[str, tuple[int, int, int]]
 
 
+def _replica_sums(raw: Any, url: str) -> dict[str, Checksum]:
+    """A worker's checksums (one JSON string); anything else once the copy ran is ambiguous."""
+    try:
+        return from_json(json.loads(raw))
+    except (TypeError, ValueError, KeyError) as e:
+        raise AmbiguousMutation(
+            f"{url} copied but its checksums are unreadable: {e}", url=url
+        ) from e
+
+
 class NoStagedCopy(Exception):
     """The target has no staged copy this replica can load (why: the message)."""
 
@@ -279,7 +289,7 @@ class IpcDirectTransport(Transport):
         if self.checksums:
             theirs = {}
             for r in results:
-                theirs.update(from_json(r.get("checksums", {})))
+                theirs.update(_replica_sums(r.get("checksums"), url))
         sums, sums_s = await self._sender_sums(staged, plan.shards)
         timings = {
             "path": self.name,
