@@ -279,14 +279,17 @@ class VllmEngine:
             ) from e
 
     async def confirm_resumed(self, *, timeout_s: float | None = None) -> ResumeEvidence:
-        """``GET /is_paused`` on an engine resumed earlier, then the serving process's identity
-        (``/metrics``): evidence that this process, unpaused, serves (read-only)."""
+        """``GET /is_paused`` on an engine resumed earlier and the serving process's identity
+        (``/metrics``), both at once: evidence that this process, unpaused, serves
+        (read-only)."""
         t0 = time.monotonic()
-        r = await self._call("GET", "/is_paused", mutating=False, timeout_s=timeout_s)
+        r, process = await asyncio.gather(
+            self._call("GET", "/is_paused", mutating=False, timeout_s=timeout_s),
+            self.process_identity(timeout_s=timeout_s),
+        )
         value = self._body(r, mutating=False).get("is_paused")
         if not isinstance(value, bool):
             raise self._unexpected(r, "is_paused is not a boolean", mutating=False)
-        process = await self.process_identity(timeout_s=timeout_s)
         return ResumeEvidence(
             http_status=r.status_code,
             is_paused=value,
@@ -296,9 +299,18 @@ class VllmEngine:
 
     async def process_identity(self, *, timeout_s: float | None = None) -> str | None:
         """The serving process's identity (:attr:`EngineMetrics.process`) from ``/metrics``,
-        found without parsing the whole scrape (the supervisor asks every health round)."""
-        r = await self._call("GET", "/metrics", mutating=False, timeout_s=timeout_s)
-        m = _START_TIME.search(r.text)
+        found without parsing the whole scrape (the supervisor asks every health round). The
+        scrape is first asked for that one metric (prometheus_client's ``name[]`` filter: a
+        full vLLM scrape takes milliseconds to render), then, where the answer lacks it (a
+        server without the filter, a multiprocess registry), in full."""
+        m = None
+        for params in ({"name[]": "process_start_time_seconds"}, None):
+            r = await self._call(
+                "GET", "/metrics", mutating=False, timeout_s=timeout_s, params=params
+            )
+            m = _START_TIME.search(r.text)
+            if m is not None:
+                break
         if m is None:
             return None
         try:

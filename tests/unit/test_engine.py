@@ -258,3 +258,29 @@ async def test_capabilities_before_bootstrap_is_a_programming_error() -> None:
     with pytest.raises(RuntimeError, match="bootstrap"):
         await engine.weight_label()
     await engine.aclose()
+
+
+async def test_the_process_identity_is_read_from_one_metric_then_the_whole_scrape() -> None:
+    """vLLM's /metrics honours prometheus_client's name[] filter (one metric instead of the
+    whole scrape); where the filtered answer lacks the start time, the full scrape is read."""
+    asked: list[str] = []
+    filtered_has_it = True
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/metrics":
+            return httpx.Response(200, json={"is_paused": False})
+        name = request.url.params.get("name[]")
+        asked.append(name or "all")
+        line = "process_start_time_seconds 1700000000.25\n"
+        if name is not None and not filtered_has_it:
+            return httpx.Response(200, text="")
+        return httpx.Response(200, text=line if name else "vllm:x 1\n" + line)
+
+    engine = make_engine(answer)
+    assert await engine.process_identity() == "api-server-started:1700000000.25"
+    assert asked == ["process_start_time_seconds"]
+    filtered_has_it = False
+    ev = await engine.confirm_resumed()
+    assert ev.process == "api-server-started:1700000000.25" and ev.is_paused is False
+    assert asked[1:] == ["process_start_time_seconds", "all"]
+    await engine.aclose()
