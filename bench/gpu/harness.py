@@ -50,7 +50,7 @@ TF_MAX_TOL = 0.75  # nats, any single position
 ROLLOUT_MEAN_TOL = 0.15
 SERVED = "test"
 PROMPT_LEN, GEN_LEN = 32, 48  # rollouts of the load
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # bench/results
 
 
 def now() -> float:
