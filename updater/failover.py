@@ -48,13 +48,20 @@ class EpochGate:
         """The current epoch, once it is settled and every live router has verified it (see
         the module doc); StoreUnavailable after ``timeout_s``. Redis being unreachable for a
         moment (e.g. the first call on a pooled connection after a restart) is waited out like
-        an unsettled epoch, within the same ``timeout_s``."""
+        an unsettled epoch, within the same ``timeout_s``; never a cancellation, whatever error
+        the cancelled call raised."""
         t0 = time.monotonic()
         while True:
             try:
                 epoch = await self.store.failover.epoch()
                 routers = await self.store.failover.routers()
             except StoreUnavailable as err:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # cancelled mid-call, and the call reported it as an unreachable Redis (a
+                    # client that drops its connection on cancellation): a deadline around
+                    # this wait must end it, not see it wait out timeout_s
+                    raise asyncio.CancelledError() from err
                 if time.monotonic() - t0 > self.timeout_s:
                     raise
                 log.info("failover check: %s; trying again", err)

@@ -51,3 +51,37 @@ async def test_the_wait_is_bounded(tmp_path: Path) -> None:
             await EpochGate(store, poll_s=0.05, timeout_s=0.3).settled()
     finally:
         await store.close()
+
+
+async def test_a_deadline_ends_the_wait_even_when_the_cancelled_call_says_unreachable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit run hung for 120 s in ``wait_for(gate.settled(), 0.5)`` on a Sentinel store: the
+    cancelled epoch read surfaced as StoreUnavailable, which the gate waits out (up to
+    timeout_s, 30 min there). Here the read is made to do exactly that on cancellation."""
+    server = RedisServer(tmp_path / "redis").start()
+    store = RedisStore.connect(StoreSettings(url=server.url, namespace="gate"))
+    real = store.failover.epoch
+    hang = asyncio.Event()
+
+    async def epoch_that_hides_cancellation() -> object:
+        if not hang.is_set():
+            return await real()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise StoreUnavailable("Redis is unreachable (ConnectionError)") from None
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(store.failover, "epoch", epoch_that_hides_cancellation)
+    try:
+        gate = EpochGate(store, poll_s=0.02, timeout_s=600)
+        await gate.settled()
+        hang.set()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.wait_for(gate.settled(), 0.2), 10)
+        assert time.monotonic() - t0 < 5  # the inner deadline, not the 10 s guard
+    finally:
+        await store.close()
+        server.stop()
