@@ -104,18 +104,16 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import httpx
 
 from pool.errors import RolloutPoolError
+from rolloutpool.integrations.trl_records import Sample, Staged, Submitted, Update
 from updater.client import UpdaterClient
 from updater.probe import probe_from_checkpoint, probe_from_model
-
-if TYPE_CHECKING:
-    from updater.transports.ipc.pusher import StagedPush
 
 try:
     from transformers import TrainerCallback
@@ -150,53 +148,6 @@ class ProvenanceError(RolloutPoolError):
     """A delivered completion's ``weight_versions`` spans do not name its bound generation."""
 
     code = "provenance_error"
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One completion TRL trained on, with its provenance."""
-
-    step: int  # trainer global_step when it was generated
-    rollout_id: str
-    generation: int
-    label: str
-    replica: str
-    identity_digest: str
-    policy_step: int | None  # trainer step whose weights ``generation`` carries
-    #: vLLM's weight_versions labels for this choice (== (label,)); None: the replica's vLLM
-    #: reports none (before 0.32)
-    spans: tuple[str, ...] | None
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Update:
-    """One pushed checkpoint and how it rolled over the replicas."""
-
-    step: int
-    generation: int
-    label: str
-    identity_digest: str
-    update_id: str
-    checkpoint: str
-    stall_s: float  # time the training loop stood still in the callback for this push
-    rolled_s: float | None = None  # push → every replica serves it (None while in flight)
-    staging_copy_s: float | None = None  # weights_from="gpu_memory": the staging copy
-    windows_s: dict[str, float] = field(default_factory=dict)  # per replica QUIESCED→READY
-
-
-@dataclass(frozen=True)
-class _Submitted:
-    record: dict[str, Any]
-    pushed_at: float
-
-
-@dataclass(frozen=True)
-class _Staged:
-    push: StagedPush
-    step: int
-    pushed_at: float
-    stall_s: float  # the callback's stall for this push
 
 
 @dataclass
@@ -287,7 +238,7 @@ class PoolLink:
         self._base: tuple[str, int] | None = None  # (label, step) without sync_on_start
         # the updates in flight, oldest first: a submitted update (its record, when it was
         # pushed) or, weights_from="gpu_memory", a push still in the background
-        self._flight: deque[_Submitted | _Staged] = deque()
+        self._flight: deque[Submitted | Staged] = deque()
         self.samples: list[Sample] = []
         self.updates: list[Update] = []
         self.refused: Counter[str] = Counter()  # retried answers by error code
@@ -513,18 +464,8 @@ class PoolLink:
         rec = self._updater.push(
             ckpt, probe=probe, step=step, label=f"{self.run}-step{step}", trainer_run=self.run
         )
-        self._flight.append(_Submitted(rec, time.monotonic()))
-        self.updates.append(
-            Update(
-                step=step,
-                generation=int(rec["generation"]),
-                label=rec["label"],
-                identity_digest=rec["identity_digest"],
-                update_id=rec["id"],
-                checkpoint=str(ckpt),
-                stall_s=0.0,
-            )
-        )
+        self._flight.append(Submitted(rec, time.monotonic()))
+        self.updates.append(Update.of(rec, step, ckpt, stall_s=0.0))
         if self.wait:
             self._settle()
         self.updates[-1] = replace(self.updates[-1], stall_s=time.monotonic() - t0)
@@ -547,7 +488,7 @@ class PoolLink:
             save_extra=save_extra,
             slots=2 + self._overlap(),
         )
-        self._flight.append(_Staged(staged, step, t0, time.monotonic() - t0))
+        self._flight.append(Staged(staged, step, t0, time.monotonic() - t0))
         if self.wait:
             self._settle()
             self.updates[-1] = replace(self.updates[-1], stall_s=time.monotonic() - t0)
@@ -558,24 +499,21 @@ class PoolLink:
         while len(self._flight) > keep:
             self._finish(self._flight.popleft())
 
-    def _finish(self, flight: _Submitted | _Staged) -> None:
+    def _finish(self, flight: Submitted | Staged) -> None:
         """Wait for one update in flight to end and record how it rolled."""
-        if isinstance(flight, _Staged):
+        if isinstance(flight, Staged):
             staged = flight.push
             rec = staged.record(timeout_s=self.update_timeout_s)
             self.updates.append(
-                Update(
-                    step=flight.step,
-                    generation=int(rec["generation"]),
-                    label=rec["label"],
-                    identity_digest=rec["identity_digest"],
-                    update_id=rec["id"],
-                    checkpoint=str(staged.checkpoint),
+                Update.of(
+                    rec,
+                    flight.step,
+                    staged.checkpoint,
                     stall_s=flight.stall_s,
                     staging_copy_s=staged.stall_s,
                 )
             )
-            flight = _Submitted(rec, flight.pushed_at)
+            flight = Submitted(rec, flight.pushed_at)
         rec = flight.record
         done = self._updater.wait(rec["id"], timeout_s=self.update_timeout_s)
         windows = {
