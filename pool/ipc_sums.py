@@ -18,9 +18,9 @@ weighted)`` row per tensor.
 **Exact and cheap.** Per word the kernels do 32-bit integer work only: a block is read as rows
 of :data:`COLS` words; per row the plain sum and the sum of ``word * column`` fit 32 bits (|word|
 <= 2**15, column < 128, at most 4096 words per sub-block), and so does the plain sum of the
-words past the one place where the position weight wraps (``BLOCK <= MOD``); the 64-bit weighted
-sum is assembled from those per row. (64-bit multiplies per word made the reduction
-compute-bound, not memory-bound, on an H200.)
+words past the one place where the position weight wraps (``SUB <= MOD``; only the sub-blocks
+that hold that place pay for it); the 64-bit weighted sum is assembled from those per row.
+(64-bit multiplies per word made the reduction compute-bound, not memory-bound, on an H200.)
 
 Contract of the table: every tensor is a contiguous run of 16-bit words starting at a 16-byte
 aligned address (the loads and stores are vectorized on that promise), ``start`` is a multiple
@@ -85,11 +85,13 @@ def _partials(  # type: ignore[no-untyped-def]
         r0 = (s % MOD).to(tl.int32)  # the weight of word 0 is r0 + 1
         row_plain = tl.sum(x32, axis=1)  # |.| <= 2**22
         row_cols = tl.sum(x32 * cols[None, :], axis=1)  # |.| <= 2**29
-        wrapped = tl.sum(tl.sum(tl.where(j >= MOD - r0, x32, 0), axis=1), axis=0)
         total = tl.sum(row_plain, axis=0)  # |.| <= 2**27
         w = tl.sum(row_base * row_plain.to(tl.int64) + row_cols.to(tl.int64), axis=0)
         plain += total.to(tl.int64)
-        weighted += w + (r0 + 1).to(tl.int64) * total.to(tl.int64) - MOD * wrapped.to(tl.int64)
+        weighted += w + (r0 + 1).to(tl.int64) * total.to(tl.int64)
+        if r0 + SUB > MOD:  # the weight wraps inside this sub-block (once: SUB <= MOD)
+            wrapped = tl.sum(tl.sum(tl.where(j >= MOD - r0, x32, 0), axis=1), axis=0)
+            weighted -= MOD * wrapped.to(tl.int64)
     two = tl.arange(0, 1)
     tl.store(out_ptr + 2 * pid + two, plain)
     tl.store(out_ptr + 2 * pid + 1 + two, weighted)
