@@ -22,9 +22,6 @@ engine loop and blocks it: call them on a paused engine.
   receiving side of the ``ipc_direct`` transport: open the sender's staging buffer by its CUDA
   IPC handle (:mod:`pool.ipc_handles`, once per buffer) and copy each staged tensor into its
   runtime parameter on this GPU (:mod:`pool.ipc_copy`). GPU only.
-  :meth:`WeightExtension.rolloutpool_ipc_lane` also serves ``_ipc_copy`` on a Unix socket of
-  its own (:mod:`pool.ipc_lane`), past vLLM's RPC path; the copies, from either path, run one
-  at a time.
 
 **Layout.** vLLM fuses some checkpoint tensors into one runtime parameter (``q_proj``,
 ``k_proj``, ``v_proj`` -> ``qkv_proj``; ``gate_proj``, ``up_proj`` -> ``gate_up_proj``; the
@@ -52,15 +49,12 @@ worker does not already have.
 from __future__ import annotations
 
 import json
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from pool.checksum import Pending, tensor_checksums, to_json
 from pool.ipc_copy import Prepared, plan
 from pool.ipc_handles import Entry, IpcHandle, open_buffer, read_tag, resolve_device
-from pool.ipc_lane import IpcLane, private_dir_problem
 from pool.shards import Piece, tp_pieces
 
 __all__ = ["WeightExtension", "runtime_views"]
@@ -389,36 +383,6 @@ class WeightExtension:
         peer = src.device.type == "cuda" and src.device.index != _torch().cuda.current_device()
         return {"ok": True, "device": str(src.device), "peer": bool(peer)}
 
-    def rolloutpool_ipc_lane(self, directory: str) -> dict[str, Any]:
-        """Serve :meth:`rolloutpool_ipc_copy` on a Unix socket in ``directory`` (JSON string: a
-        private directory of this worker's user, :func:`pool.ipc_lane.private_dir_problem`),
-        one per worker and directory (a new directory replaces the lane): ``{"path",
-        "tp_rank"}``, or ``{"refused": why, "tp_rank"}``. Writes no weight."""
-        rank, _ = self._rolloutpool_tp(sharded_ok=True)
-        where = Path(str(json.loads(directory)))
-        lane: IpcLane | None = getattr(self, "_rolloutpool_lane", None)
-        if lane is not None and lane.path.parent == where:
-            return {"path": str(lane.path), "tp_rank": rank}
-        why = private_dir_problem(where)
-        if why:
-            return {"refused": why, "tp_rank": rank}
-        if lane is not None:
-            lane.close()
-        torch = _torch()
-        device = torch.cuda.current_device() if torch.cuda.is_available() else None
-
-        def setup() -> None:  # the lane's thread copies on this worker's GPU
-            if device is not None:
-                torch.cuda.set_device(device)
-
-        def copy(kwargs: dict[str, str]) -> dict[str, Any]:
-            return self.rolloutpool_ipc_copy(**kwargs)
-
-        if getattr(self, "_rolloutpool_ipc_lock", None) is None:  # before the lane's thread
-            self._rolloutpool_ipc_lock = threading.Lock()
-        self._rolloutpool_lane = IpcLane(where / f"rank{rank}.sock", copy, setup)
-        return {"path": str(self._rolloutpool_lane.path), "tp_rank": rank}
-
     def rolloutpool_ipc_copy(
         self, buffer: str, entries: str, tag: str, checksums: str = "true"
     ) -> dict[str, Any]:
@@ -440,16 +404,7 @@ class WeightExtension:
         is still at the address it had when the plan was made (else, and after
         :meth:`rolloutpool_ipc_close`, it is made again, refusals included). Timings: ``plan_s``
         (``plan_cached``), :meth:`~pool.ipc_copy.Prepared.run`'s, and ``worker_s`` (the whole
-        call in this worker). One call at a time (the RPC path and the lane share a lock)."""
-        lock: threading.Lock | None = getattr(self, "_rolloutpool_ipc_lock", None)
-        if lock is None:
-            lock = self._rolloutpool_ipc_lock = threading.Lock()
-        with lock:
-            return self._rolloutpool_ipc_copy(buffer, entries, tag, checksums)
-
-    def _rolloutpool_ipc_copy(
-        self, buffer: str, entries: str, tag: str, checksums: str
-    ) -> dict[str, Any]:
+        call in this worker)."""
         t0 = time.perf_counter()
         rank, size = self._rolloutpool_tp(sharded_ok=True)
         cache = self._rolloutpool_ipc_plans()

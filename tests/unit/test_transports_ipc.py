@@ -7,7 +7,6 @@ names the staging buffer of this process); the GPU path is ``tests/gpu/test_ipc_
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +149,8 @@ def test_the_descriptor_round_trips_as_json(ipc: Registry) -> None:
 async def test_a_transfer_copies_every_tensor_in_place_with_checksums(ipc: Registry) -> None:
     model, _staging, transport, engine, server, target, ckpt = setup(ipc)
     await transport.preflight(engine, target)
-    assert server.calls == ["rolloutpool_layout", "rolloutpool_ipc_check", "rolloutpool_ipc_lane"]
+    assert server.calls == ["rolloutpool_layout", "rolloutpool_ipc_check"]
     ev = await transport.transfer(engine, target)
-    assert transport.last[engine.url]["via"] == "lane"  # the worker's socket, not the RPC
-    assert "rolloutpool_ipc_copy" not in server.calls
     assert isinstance(ev, TransferEvidence) and ev.transport == "ipc_direct"
     for name, t in served(model).items():
         assert torch.equal(t, ckpt[name]), name
@@ -187,54 +184,6 @@ async def test_a_cut_transfer_is_caught_by_the_checksums(ipc: Registry) -> None:
     ev = await transport.transfer(engine, target)  # no preflight: it checks itself
     evidence = ChecksumEvidence.compare(ev.checksums or {}, ev.replica_checksums or {})
     assert evidence.missing == 2 and not evidence.proves_equal
-
-
-async def test_without_a_lane_the_copy_goes_by_the_rpc_path(ipc: Registry) -> None:
-    """Lanes off, and a lane gone before the transfer (nothing asked of the worker): the copy
-    goes by /collective_rpc, whole and checksummed."""
-    for lanes in (False, True):
-        model, staging, _t, engine, server, target, ckpt = setup(ipc)
-        transport = IpcDirectTransport(staging, lanes=lanes)
-        await transport.preflight(engine, target)
-        if lanes:
-            server.worker._rolloutpool_lane.close()
-        ev = await transport.transfer(engine, target)
-        assert transport.last[engine.url]["via"] == "rpc" and "rolloutpool_ipc_copy" in server.calls
-        assert all(torch.equal(t, ckpt[n]) for n, t in served(model).items())
-        evidence = ChecksumEvidence.compare(ev.checksums or {}, ev.replica_checksums or {})
-        assert evidence.proves_equal
-
-
-async def test_a_lane_that_fails_once_asked_is_ambiguous(ipc: Registry) -> None:
-    """The worker's copy raised (answered as an error on the lane), or never answered within
-    the transfer's deadline: the weights may be half-written. The lane then serves the next
-    transfer."""
-    _model, _staging, transport, engine, server, target, _ckpt = setup(ipc)
-
-    def broken(**kw: str) -> dict[str, Any]:
-        raise RuntimeError("CUDA error: an illegal memory access")
-
-    server.worker.rolloutpool_ipc_copy = broken
-    with pytest.raises(AmbiguousMutation, match="illegal memory access"):
-        await transport.transfer(engine, target)
-
-    release = threading.Event()
-
-    def stuck(**kw: str) -> dict[str, Any]:
-        release.wait(60)
-        return {}
-
-    server.worker.rolloutpool_ipc_copy = stuck
-    transport.rpc_timeout_s = 0.5
-    try:
-        with pytest.raises(AmbiguousMutation, match="lane"):
-            await transport.transfer(engine, target)
-    finally:
-        release.set()
-    del server.worker.rolloutpool_ipc_copy  # the lane outlives a sender that went away
-    transport.rpc_timeout_s = 30.0
-    await transport.transfer(engine, target)
-    assert transport.last[engine.url]["via"] == "lane"
 
 
 async def test_a_copy_whose_checksums_are_unreadable_is_ambiguous(ipc: Registry) -> None:
@@ -440,18 +389,3 @@ def test_the_batched_kernels_match_the_checksums_in_tritons_interpreter() -> Non
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-
-
-def test_a_lane_is_refused_in_a_directory_others_can_reach(ipc: Registry, tmp_path: Path) -> None:
-    _model, _staging, _t, _engine, server, _target, _ckpt = setup(ipc)
-    shared = tmp_path / "shared"
-    shared.mkdir(mode=0o755)
-    shared.chmod(0o755)
-    got = server.worker.rolloutpool_ipc_lane(json.dumps(str(shared)))
-    assert "reachable by other users" in got["refused"] and not list(shared.iterdir())
-    mine = tmp_path / "mine"
-    mine.mkdir(mode=0o700)
-    got = server.worker.rolloutpool_ipc_lane(json.dumps(str(mine)))
-    assert got["path"] == str(mine / "rank0.sock")
-    server.worker._rolloutpool_lane.close()
-    assert not list(mine.iterdir())

@@ -2,15 +2,11 @@
 
 The sender (a trainer, or whoever owns the :class:`~updater.transports.ipc.staging.IpcStaging`)
 lays its weights out once per shape in a staging buffer on its GPU; each replica opens one CUDA
-IPC handle per buffer (kept open) and a transfer is one call in which the replica's worker
-extension copies every staged tensor into its runtime parameter
+IPC handle per buffer (kept open) and a transfer is one ``/collective_rpc`` in which the
+replica's worker extension copies every staged tensor into its runtime parameter
 (:meth:`pool.replica_extension.WeightExtension.rolloutpool_ipc_copy`: the ``nccl_direct``
 mapping of names, fused blocks and TP slices; one pass that copies and checksums where the
-layout allows). The call goes to each worker's own lane (:mod:`pool.ipc_lane`: a Unix socket
-in a private directory this transport creates, set up in preflight), past vLLM's
-``/collective_rpc`` path and its fixed cost; by ``/collective_rpc`` where a worker has no lane
-(``lanes=False``, a replica that cannot reach the directory, a lane that could not be reached
-before anything was asked). Same-GPU senders are the case this is built for; a sender on another
+layout allows). Same-GPU senders are the case this is built for; a sender on another
 GPU of the same host works where the replica's workers can see that GPU and reach it by peer
 access. No NCCL group, no start/finish, no ``load_weights``.
 
@@ -38,8 +34,7 @@ refusal every worker *answers* before writing (unreachable device, unopenable ha
 buffer that no longer holds the copy, a name with no runtime view) is
 :class:`~pool.errors.NoMutation`, as is an engine that is not paused; anything else once the
 call was sent (an error, a timeout, one worker refusing while another copied, a buffer
-rewritten during the copy, a lane that fails or misses the deadline once asked) is
-:class:`~pool.errors.AmbiguousMutation`.
+rewritten during the copy) is :class:`~pool.errors.AmbiguousMutation`.
 
 **Checksums** as for ``nccl_direct``: the sender's, computed over the staged copy once per copy
 (outside the paused window: in preflight), against the replica's, computed over the words
@@ -51,8 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +67,6 @@ from updater.transports.reload import ReloadTransport
 
 __all__ = ["IpcDirectTransport"]
 
-log = logging.getLogger("updater.transports.ipc")
-
 #: Per rank of a tensor-parallel replica: the slice ``(dim, start, length)`` of each tensor it
 #: holds (a tensor it holds whole is absent).
 RankShards = dict[str, tuple[int, int, int]]
@@ -89,10 +80,6 @@ def _replica_sums(raw: Any, url: str) -> dict[str, Checksum]:
         raise AmbiguousMutation(
             f"{url} copied but its checksums are unreadable: {e}", url=url
         ) from e
-
-
-class _NotSent(Exception):
-    """No lane could be reached: nothing was asked of any worker."""
 
 
 class NoStagedCopy(Exception):
@@ -124,7 +111,6 @@ class _Plan:
     staged: _Staged | None
     shards: tuple[RankShards, ...] | None = None
     why: str = ""
-    lanes: tuple[str, ...] | None = None  # the workers' lane sockets, by rank
 
 
 class IpcDirectTransport(Transport):
@@ -143,11 +129,8 @@ class IpcDirectTransport(Transport):
         checksums: bool = True,
         rpc_timeout_s: float = 120.0,
         control_timeout_s: float = 30.0,
-        lanes: bool = True,
     ) -> None:
         self.staging = staging
-        self.lanes = lanes
-        self._lane_dir: str | None = None
         self.fallback = fallback
         self.checksums = checksums
         self.rpc_timeout_s = rpc_timeout_s
@@ -211,7 +194,7 @@ class IpcDirectTransport(Transport):
             return await self._fall_back(engine, target, "; ".join(refused) or "no worker")
         if self.checksums and staged.copy is not None and self.staging is not None:
             await asyncio.to_thread(self.staging.checksums, staged.copy)  # out of the window
-        return _Plan(target, staged, shards, lanes=await self._lanes(engine))
+        return _Plan(target, staged, shards)
 
     async def _fall_back(self, engine: VllmEngine, target: WeightsTarget, why: str) -> _Plan:
         if self.fallback is None:
@@ -258,51 +241,6 @@ class IpcDirectTransport(Transport):
             {n: (int(d), int(a), int(b)) for n, (d, a, b) in r["shards"].items()} for r in ranks
         )
 
-    async def _lanes(self, engine: VllmEngine) -> tuple[str, ...] | None:
-        """Each worker's lane socket (:mod:`pool.ipc_lane`) by rank, or None: the transfer then
-        goes by ``/collective_rpc`` (lanes off, a worker that refused or could not be asked,
-        e.g. a replica in another container). Writes no weight."""
-        if not self.lanes:
-            return None
-        if self._lane_dir is None:
-            self._lane_dir = tempfile.mkdtemp(prefix="rolloutpool-ipc-")  # mode 0700
-        try:
-            rpc = await engine.collective_rpc(
-                "rolloutpool_ipc_lane",
-                {"directory": json.dumps(self._lane_dir)},
-                timeout_s=self.control_timeout_s,
-            )
-            ranks = sorted(rpc.results, key=lambda r: int(r.get("tp_rank", 0)))
-            paths = tuple(str(r["path"]) for r in ranks)
-        except (EngineError, KeyError, TypeError, ValueError, AttributeError) as e:
-            log.info("%s: no ipc lane (%s); transfers go by /collective_rpc", engine.url, e)
-            return None
-        return paths or None
-
-    async def _over_lanes(self, paths: tuple[str, ...], kwargs: dict[str, str]) -> list[Any]:
-        """:meth:`~pool.replica_extension.WeightExtension.rolloutpool_ipc_copy` on every worker
-        by its lane: its answers, by rank. :class:`_NotSent` when a lane could not be reached
-        (nothing was asked of any worker); once asked, a failure is the caller's to classify."""
-        conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        try:
-            for path in paths:
-                try:
-                    conns.append(await asyncio.open_unix_connection(path))
-                except OSError as e:
-                    raise _NotSent(f"{path}: {e}") from e
-            line = json.dumps(kwargs).encode() + b"\n"
-            for _, w in conns:
-                w.write(line)
-
-            async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> Any:
-                await w.drain()
-                return json.loads(await r.readline())
-
-            return list(await asyncio.gather(*(answer(r, w) for r, w in conns)))
-        finally:
-            for _, w in conns:
-                w.close()
-
     # -- Transport -------------------------------------------------------------------------------
 
     async def preflight(self, engine: VllmEngine, target: WeightsTarget) -> None:
@@ -334,27 +272,11 @@ class IpcDirectTransport(Transport):
             "checksums": json.dumps(self.checksums),
         }
         t0 = time.monotonic()
-        results = None
-        via = "rpc"
-        if plan.lanes:
-            try:
-                results = await asyncio.wait_for(
-                    self._over_lanes(plan.lanes, kwargs), self.rpc_timeout_s
-                )
-                via = "lane"
-            except _NotSent as e:  # nothing asked: the RPC path is as safe as before
-                log.warning("%s: ipc lane unreachable (%s); copying by /collective_rpc", url, e)
-            except (OSError, ValueError, TimeoutError) as e:
-                raise AmbiguousMutation(f"ipc lane of {url} failed mid-copy: {e}", url=url) from e
-        if results is None:
-            rpc = await engine.collective_rpc(
-                "rolloutpool_ipc_copy", kwargs, timeout_s=self.rpc_timeout_s
-            )
-            results = list(rpc.results)
+        rpc = await engine.collective_rpc(
+            "rolloutpool_ipc_copy", kwargs, timeout_s=self.rpc_timeout_s
+        )
         elapsed = time.monotonic() - t0
-        errors = [str(r["error"]) for r in results if isinstance(r, dict) and "error" in r]
-        if errors:
-            raise AmbiguousMutation(f"rolloutpool_ipc_copy on {url} failed: {errors[0]}", url=url)
+        results = list(rpc.results)
         if not results or not all(isinstance(r, dict) for r in results):
             raise AmbiguousMutation(f"rolloutpool_ipc_copy on {url}: {results!r:.300}", url=url)
         refused = [str(r["refused"]) for r in results if "refused" in r]
@@ -371,7 +293,6 @@ class IpcDirectTransport(Transport):
         sums, sums_s = await self._sender_sums(staged, plan.shards)
         timings = {
             "path": self.name,
-            "via": via,
             "transfer_s": elapsed,
             "bytes": nbytes,
             "GBps": nbytes / elapsed / 1e9 if elapsed else 0.0,
