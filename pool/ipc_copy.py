@@ -19,9 +19,12 @@ in between), then waits once. Without checksums it is one device-to-device copy 
 :class:`Copy`. With them, on CUDA, every piece the copy kernel can move (whole, contiguous,
 16-bit words or wider, 16-byte aligned at both ends: every piece of a dense bf16 model on one
 GPU) is copied *and* checksummed in one pass, one launch for all of them
-(:func:`pool.ipc_sums.copy_sums`): the checksums are those of the words written into the
-runtime parameters, so a piece landed in the wrong place or a bit changed in the staged copy
-changes them. The other pieces (a tensor-parallel slice, a one-byte dtype) are copied as
+(:func:`pool.ipc_sums.copy_sums`): the checksums are those of the words the kernel read
+from the staged copy and wrote into the runtime parameters, so a bit changed in the staged copy
+or a piece missing changes them. They do not re-read what landed: a write that never reached
+the memory the engine serves from is caught by the probe, not by them (seen on an H200 when
+the copy ran in a thread of the worker other than vLLM's: checksums equal, probe refused).
+The other pieces (a tensor-parallel slice, a one-byte dtype) are copied as
 above and checksummed over the runtime views after their copies (:class:`Sums`).
 
 **Checksums** (:class:`Sums`, the definition of :mod:`pool.checksum`): on CUDA, every piece of
