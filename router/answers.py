@@ -198,6 +198,7 @@ async def whole_answer(
     outcome: Outcome,
     settle: Settlement,
     sent: float,
+    expect_model: str | None = None,
 ) -> web.Response:
     info = target.info
     rid = target.replica.replica_id
@@ -268,7 +269,7 @@ async def whole_answer(
             replica=rid,
             rollout=info.as_json(),
         )
-    violation = check_response(data, info.label)
+    violation = check_response(data, info.label, expect_model)
     if violation is not None:
         outcome.violate(violation)
         verdict = await settle(outcome)  # first: was the binding still active?
@@ -357,6 +358,7 @@ async def stream_answer(
     wants_usage: bool,
     outcome: Outcome,
     settle: Settlement,
+    expect_model: str | None = None,
 ) -> web.StreamResponse:
     info = target.info
     out = web.StreamResponse(
@@ -390,7 +392,7 @@ async def stream_answer(
                 f"client stopped reading: an event waited {write_timeout:g} s to be sent"
             ) from e
 
-    check = SpanCheck(info.label)
+    check = SpanCheck(info.label, expect_model)
     tokens: tuple[int, int] | None = None
     reasons: list[str] = []
     held: dict[str, Any] | None = None

@@ -296,11 +296,24 @@ MODEL_KINDS: dict[str, tuple[Builder, dict[str, Any]]] = {
         {"seed": None, "intermediate_size": INTERMEDIATE, "dtype": "float32", "init_std": INIT_STD},
     ),
     "marker": (build_marker, {"token_id": None, "seed": 0}),
+    "lora-base": (lambda d, **kw: _lora().build_lora_base(d, **kw), {"seed": 0}),
+    "lora-marker": (
+        lambda d, token_id, **kw: _lora().build_marker_adapter(d, token_id, **kw),
+        {"token_id": None, "seed": 0},
+    ),
 }
 
 
+def _lora() -> Any:
+    """:mod:`testkit.lora_models` (imported late: it imports this module)."""
+    return importlib.import_module("testkit.lora_models")
+
+
 def _code_version() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    """A hash of the builders' source (this module and :mod:`testkit.lora_models`)."""
+    here = Path(__file__).resolve()
+    blob = here.read_bytes() + here.with_name("lora_models.py").read_bytes()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _key(kind: str, params: dict[str, Any], defaults: dict[str, Any]) -> str:
@@ -316,7 +329,8 @@ def _key(kind: str, params: dict[str, Any], defaults: dict[str, Any]) -> str:
 def ensure_model(kind: str, cache_root: Path | None = None, **params: Any) -> Path:
     """The absolute directory of the cached model ``kind`` with ``params``; built if absent.
 
-    ``kind`` is one of :data:`MODEL_KINDS` (``tokenizer``, ``random``, ``marker``). The
+    ``kind`` is one of :data:`MODEL_KINDS` (``tokenizer``, ``random``, ``marker``, ``lora-base``,
+    ``lora-marker``: a PEFT adapter directory for the ``lora-base`` of the same seed). The
     directory name hashes this module's source and the parameters, so editing a builder
     rebuilds; parameters equal to their defaults hash the same as omitted ones. The build runs
     in ``<cache_root>/.tmp-*`` and is renamed into place; a failed build removes its temp
