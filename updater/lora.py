@@ -6,10 +6,11 @@ from the rollout's binding), so a rollout bound to g runs on g while g+1 is load
 admitted beside it. An update, on every READY replica at once::
 
     load      POST /v1/load_lora_adapter (rp-<n>-<label>, the adapter's directory)
-              refused (4xx), or failed with the name not listed and g's own probe still
-              passing: nothing changed, the replica stays READY on g and does not admit g+1
-              anything else ambiguous (no answer, the name listed after a failure, g's probe
-              failing): TAINTED (I4), recovered from a fresh process (I6)
+              failed (any error answer; the name, if vLLM lists it anyway, is unloaded again)
+              with the name not listed and g's own probe still passing: nothing changed, the
+              replica stays READY on g and does not admit g+1
+              anything else (no answer, the name still listed, g's probe failing): TAINTED
+              (I4), recovered from a fresh process (I6)
     validate  the probe through the adapter (greedy, model = the adapter), the answer's
               ``model``, the process unchanged since bootstrap -> AdapterEvidence; evidence
               that does not prove the adapter: it is unloaded and the replica judged as above
@@ -24,8 +25,9 @@ update fails.
 adapter ``rp-<n>-...`` on a replica is unloaded once ``n`` is below ``latest - max_staleness``,
 below the replica's own generation, and nothing on that replica holds it (no active binding, no
 live router grant on it: :meth:`pool.store.Adapters.holds`); vLLM's answer is checked (200
-removed, 404 already gone). Retiring also runs before a load, so a replica's adapter slots hold
-at most the generations still needed plus the new one.
+removed, 404 already gone). Adapter slots: a replica is launched with ``max_loras`` of at least
+``max_staleness + 2`` (the admissible generations, one held by a finishing rollout, the new one);
+vLLM swaps more from their files if it must, slower but correct.
 
 **Recovery** (I6) of a LoRA replica: a fresh process is brought up on the base model (g0's
 record, loaded from scratch and validated as any bootstrap), then :meth:`LoraRollout.catch_up`
@@ -125,10 +127,6 @@ class LoraRollout:
                 report.outcome, report.reason = ReplicaOutcome.FAILED, f"{m.handle.lc.state}"
                 return out
             try:
-                await self._retire_on(m, await self._latest_number())
-            except RolloutPoolError as e:  # the load goes ahead; vLLM swaps adapters if need be
-                log.warning("retiring adapters on %s before a load: %s", m.id, e)
-            try:
                 out.evidence = await self._load_and_validate(m.handle, gen, report)
                 t0 = time.monotonic()
                 await self.runner.commit(m.handle, out.evidence, publish=False)
@@ -152,39 +150,38 @@ class LoraRollout:
         name = adapter_name(gen.generation)
         assert name is not None, "generation 0 is the base model, not an adapter"
         t0 = time.monotonic()
-        held = await served_adapters(h.engine, timeout_s=d.preflight_s)
-        if held.get(name) not in (None, gen.checkpoint):  # same name, other files: not ours
-            raise _Refused(f"{name} is already loaded from {held[name]}")
-        if name not in held:
-            try:
-                await self.runner._engine(
-                    "load",
-                    lambda: load_adapter(h.engine, name, gen.checkpoint, timeout_s=d.transfer_s),
-                    d.transfer_s,
-                    mutating=True,
-                )
-            except EngineError as e:
-                await self._judge_failure(h, name, f"load: {e}", refused=isinstance(e, NoMutation))
+        try:
+            await self.runner._engine(
+                "load",
+                lambda: load_adapter(h.engine, name, gen.checkpoint, timeout_s=d.transfer_s),
+                d.transfer_s,
+                mutating=True,
+            )
+        except EngineError as e:
+            if name in await served_adapters(h.engine, timeout_s=d.validate_s):
+                await unload_adapter(h.engine, name, timeout_s=d.transfer_s)  # never half-kept
+            await self._judge_failure(h, name, f"load: {e}", refused=isinstance(e, NoMutation))
         report.phases["load"] = time.monotonic() - t0
         t0 = time.monotonic()
         probe = gen.probe_prompt
-        actual, named = await self.runner._engine(
-            "validate",
-            lambda: probe_adapter(
-                h.engine, name, probe, len(gen.probe_expected), timeout_s=d.validate_s
+        (actual, named), process = await asyncio.gather(
+            self.runner._engine(
+                "validate",
+                lambda: probe_adapter(
+                    h.engine, name, probe, len(gen.probe_expected), timeout_s=d.validate_s
+                ),
+                d.validate_s,
+                mutating=False,
+                fenced=False,
             ),
-            d.validate_s,
-            mutating=False,
-            fenced=False,
+            h.process(d.resume_s),
         )
-        process = await h.process(d.resume_s)
-        listed = name in await served_adapters(h.engine, timeout_s=d.validate_s)
         report.phases["validate"] = time.monotonic() - t0
         ev = AdapterEvidence(
             generation=gen.generation,
             identity_digest=gen.identity.digest,
             adapter=name,
-            listed=listed,
+            listed=True,  # the load answered 200
             probe_expected=gen.probe_expected,
             probe_actual=actual,
             answered_model=named,
