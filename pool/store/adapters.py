@@ -18,8 +18,6 @@ raise :class:`~pool.errors.StoreUnavailable`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from redis.commands.core import AsyncScript
 
 from pool.errors import StaleFencingToken
@@ -27,7 +25,7 @@ from pool.store._client import StoreClient
 from pool.store.scripts import PRELUDE
 from pool.types import Generation
 
-__all__ = ["PUBLISH", "Adapters"]
+__all__ = ["HOLDS", "PUBLISH", "Adapters"]
 
 # PUBLISH — fenced: make ``generation`` the published one if it is newer (a LoRA update
 # publishes after its replicas moved to it, TRANSITION with publish=0).
@@ -53,12 +51,39 @@ return {'ok', '1'}
 )
 
 
+# HOLDS — the generations something on a replica may still run.
+# KEYS[1] the replica's grants  KEYS[2] their generations  KEYS[3] routers zset
+# KEYS[4..] the bindings of the replica's active set (read just before)
+# Returns {'ok', generation...} (with repeats) | {'unknown'} (a live grant of unknown generation)
+HOLDS = (
+    PRELUDE
+    + """
+local out = {'ok'}
+for i = 4, #KEYS do
+  local g = redis.call('HGET', KEYS[i], 'generation')
+  if g then out[#out + 1] = g end
+end
+local g = redis.call('HGETALL', KEYS[1])
+for i = 1, #g, 2 do
+  local exp = tonumber(redis.call('ZSCORE', KEYS[3], g[i]) or '0')
+  if tonumber(g[i + 1]) > 0 and exp > now then
+    local gen = redis.call('HGET', KEYS[2], g[i])
+    if not gen then return {'unknown'} end
+    out[#out + 1] = gen
+  end
+end
+return out
+"""
+)
+
+
 class Adapters:
     """See the module docstring."""
 
     def __init__(self, store: StoreClient) -> None:
         self.store = store
         self._publish: AsyncScript = store.r.register_script(PUBLISH)
+        self._holds: AsyncScript = store.r.register_script(HOLDS)
 
     async def publish(self, generation: Generation, identity_digest: str, token: int) -> bool:
         """Publish ``generation`` if it is newer than the published one (True if it moved).
@@ -92,25 +117,9 @@ class Adapters:
         members: set[str] = await self.store.call(
             lambda: self.store.r.smembers(k.active(replica_id))
         )
-
-        async def reads() -> list[Any]:
-            async with self.store.r.pipeline(transaction=False) as p:
-                p.time()
-                p.hgetall(k.granted(replica_id))
-                p.hgetall(k.grant_generations(replica_id))
-                p.zrange(k.routers, 0, -1, withscores=True)
-                for rid in sorted(members):
-                    p.hget(k.binding(rid), "generation")
-                return list(await p.execute())
-
-        res = await self.store.call(reads)
-        now_ms = int(res[0][0]) * 1000 + int(res[0][1]) // 1000
-        granted, gens, routers = res[1], res[2], dict(res[3])
-        held = {int(g) for g in res[4:] if g is not None}
-        for router, slots in granted.items():
-            if int(slots) <= 0 or float(routers.get(router, 0)) <= now_ms:
-                continue  # returned, or its router's registration lapsed (reclaimed)
-            if router not in gens:
-                return None
-            held.add(int(gens[router]))
-        return held
+        keys = [k.granted(replica_id), k.grant_generations(replica_id), k.routers]
+        keys += [k.binding(rid) for rid in sorted(members)]
+        out = await self.store.run_script(self._holds, keys, [])
+        if out[0] == "unknown":
+            return None
+        return {int(g) for g in out[1:]}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,6 +243,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     base = await asyncio.to_thread(ensure_model, "lora-base")
     for g in range(1, p.updates + 3):
         await asyncio.to_thread(adapter_dir, g)
+    shutil.rmtree(workdir / "redis", ignore_errors=True)  # generation numbers start at 0
     redis = RedisServer(workdir / "redis").start()
     store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
     settings = UpdaterSettings(
@@ -297,7 +299,18 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             replica = turn.json()["rollout"]["replica"]
             pushed = await push(up, store, g)
             rec = await store.replica(replica)
-            control = await prefix_control(rec.url, g - 1)
+            try:
+                control = await prefix_control(rec.url, g - 1)
+            except Exception as e:  # diagnostics for a failed control
+                binding = await store.binding(rid)
+                served = {
+                    m.id: await served_adapters(m.handle.engine, timeout_s=10)
+                    for m in up.replicas.values()
+                }
+                raise RuntimeError(
+                    f"control failed on {replica}: {e}; session binding {binding}; "
+                    f"served {served}; holds {await store.adapters.holds(replica)}"
+                ) from e
             await http.post(f"/v1/rollouts/{rid}/close")
         retired_wait = time.monotonic()
         while time.monotonic() - retired_wait < 10:  # the session's g goes once it closed
