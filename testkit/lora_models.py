@@ -1,7 +1,7 @@
 """Tiny LoRA test models: a base that LoRA adapters steer, and marker adapters (PEFT layout).
 
-Both are built offline and deterministically, cached by :func:`testkit.models.ensure_model`
-(kinds ``lora-base`` and ``lora-marker``).
+All are built offline and deterministically, cached by :func:`testkit.models.ensure_model`
+(kinds ``lora-base``, ``lora-marker`` and ``lora-merged``).
 
 * :func:`build_lora_base` — the tiny Llama of :mod:`testkit.models` (same manifest) that emits
   ``marker_token(0)`` for every prompt, and whose output one LoRA on ``o_proj`` can switch to any
@@ -16,6 +16,8 @@ Both are built offline and deterministically, cached by :func:`testkit.models.en
   attention averages equal values); ``lora_A`` row 0 is ``c/|c|²`` and ``lora_B`` column 0 is
   ``20·u_T``, which adds ``20·u_T`` to the residual stream. The logit of ``T`` is then about 113
   and every other below 60. Layer 1's factors are zero.
+* :func:`build_merged_marker` — that adapter merged into the base: a full checkpoint with the
+  same output, for comparing adapter pushes with full-weight pushes of the same policy.
 
 An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` exactly as
 PEFT writes them (keys ``base_model.model.model.layers.N.self_attn.o_proj.lora_{A,B}.weight``),
@@ -42,7 +44,13 @@ from testkit.models import (
     marker_token,
 )
 
-__all__ = ["ADAPTER_RANK", "ADAPTER_TARGETS", "build_lora_base", "build_marker_adapter"]
+__all__ = [
+    "ADAPTER_RANK",
+    "ADAPTER_TARGETS",
+    "build_lora_base",
+    "build_marker_adapter",
+    "build_merged_marker",
+]
 
 ADAPTER_RANK = 8
 ADAPTER_TARGETS = ("o_proj",)
@@ -98,12 +106,8 @@ def _attention_output(model: Any) -> Any:
     return seen[0][0, 0].clone()
 
 
-def build_marker_adapter(
-    directory: Path, token_id: int, *, seed: int = 0, tokenizer_dir: Path | None = None
-) -> Path:
-    """Write a PEFT LoRA adapter that makes the :func:`build_lora_base` of ``seed`` emit
-    ``token_id`` (a marker token, 300..1999) for any prompt. ``tokenizer_dir`` is unused
-    (adapters carry no tokenizer); it is accepted so the model cache can build adapters."""
+def _factors(seed: int, token_id: int) -> list[tuple[Any, Any]]:
+    """``(lora_A, lora_B)`` of each layer's ``o_proj`` for the marker of ``token_id``."""
     import torch
 
     if not MARKER_FIRST <= token_id < MARKER_FIRST + MARKER_SPAN:
@@ -111,18 +115,44 @@ def build_marker_adapter(
             f"marker token must be in [{MARKER_FIRST}, {MARKER_FIRST + MARKER_SPAN}), "
             f"got {token_id}"
         )
-    del tokenizer_dir
-    model = _base_model(seed)
-    c = _attention_output(model)
+    c = _attention_output(_base_model(seed))
     if not math.isfinite(float(c.norm())) or float(c.norm()) == 0.0:
         raise ValueError("the base model's attention output is zero: no adapter can steer it")
-    tensors: dict[str, Any] = {}
+    out = []
     for layer in range(LAYERS):
         a = torch.zeros(ADAPTER_RANK, HIDDEN)
         b = torch.zeros(HIDDEN, ADAPTER_RANK)
         if layer == 0:
             a[0] = c / c.dot(c)
             b[:, 0] = _STEER * _directions(seed)[token_id]
+        out.append((a, b))
+    return out
+
+
+def build_merged_marker(
+    directory: Path, token_id: int, *, seed: int = 0, tokenizer_dir: Path | None = None
+) -> Path:
+    """Write the full checkpoint of :func:`build_marker_adapter` merged into its base
+    (``o_proj += B @ A``): the same marker as a full-weight push (the comparison of the LoRA
+    benchmark)."""
+    import torch
+
+    model = _base_model(seed)
+    with torch.no_grad():
+        for layer, (a, b) in enumerate(_factors(seed, token_id)):
+            model.model.layers[layer].self_attn.o_proj.weight += b @ a
+    return _save(model, directory, "float32", tokenizer_dir)
+
+
+def build_marker_adapter(
+    directory: Path, token_id: int, *, seed: int = 0, tokenizer_dir: Path | None = None
+) -> Path:
+    """Write a PEFT LoRA adapter that makes the :func:`build_lora_base` of ``seed`` emit
+    ``token_id`` (a marker token, 300..1999) for any prompt. ``tokenizer_dir`` is unused
+    (adapters carry no tokenizer); it is accepted so the model cache can build adapters."""
+    del tokenizer_dir
+    tensors: dict[str, Any] = {}
+    for layer, (a, b) in enumerate(_factors(seed, token_id)):
         prefix = f"base_model.model.model.layers.{layer}.self_attn.o_proj"
         tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
         tensors[f"{prefix}.lora_B.weight"] = b.contiguous()

@@ -69,6 +69,11 @@ class Params:
     steady_s: float = 8.0
     gap_s: float = 0.8
     max_staleness: int = 0
+    #: ``lora``: adapter pushes on LoRA replicas; ``weights``: the same policies merged into
+    #: full checkpoints, pushed to replicas of the same base without LoRA (rolling, drained).
+    mode: str = "lora"
+    #: Pushes before the steady phase (not measured; the first loads warm vLLM's LoRA slots).
+    warmup_pushes: int = 2
 
 
 @dataclass
@@ -97,6 +102,13 @@ class Run:
 
 def adapter_dir(g: int) -> Path:
     return ensure_model("lora-marker", token_id=marker_token(g))
+
+
+def checkpoint(p: Params, g: int) -> Path:
+    """What generation ``g`` pushes: its marker adapter, or (``weights``) that merged."""
+    if p.mode == "weights":
+        return ensure_model("lora-merged", token_id=marker_token(g))
+    return adapter_dir(g)
 
 
 def _completion(rng: random.Random, p: Params, max_tokens: int) -> dict[str, Any]:
@@ -168,12 +180,12 @@ async def _sampler(store: RedisStore, p: Params, run: Run, stop: asyncio.Event) 
         await asyncio.sleep(0.02)
 
 
-async def push(up: Updater, store: RedisStore, g: int) -> dict[str, Any]:
-    """Push generation ``g``'s adapter; returns the update record plus ``all_admitting_s``."""
+async def push(up: Updater, store: RedisStore, path: Path, g: int) -> dict[str, Any]:
+    """Push ``path`` as generation ``g``; returns the update record plus ``all_admitting_s``."""
     t0 = time.monotonic()
     rec = await up.submit(
         UpdateRequest(
-            checkpoint=str(adapter_dir(g)),
+            checkpoint=str(path),
             step=g,
             trainer_run="lora-bench",
             probe=ProbeSpec(
@@ -196,7 +208,7 @@ async def push(up: Updater, store: RedisStore, g: int) -> dict[str, Any]:
             break
         if cur.state.value in ("failed", "superseded"):
             break
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.01)
     out = (await up.get(rec.id)).model_dump(mode="json")
     out["all_admitting_s"] = None if admitting is None else round(admitting, 4)
     return out
@@ -219,6 +231,49 @@ async def prefix_control(url: str, g: int) -> dict[str, Any]:
         return out
 
 
+async def _control(up: Updater, store: RedisStore, url: str, p: Params, g: int) -> dict[str, Any]:
+    """The prefix-cache control: a session holds g-1 on its replica while g is pushed beside
+    it; then what the pool unloads once the session closed."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        opened = (await http.post("/v1/rollouts", json={})).json()
+        rid = opened["rollout_id"]
+        turn = await http.post(
+            "/v1/completions",
+            json={"model": "rolloutpool", "prompt": [5, 6, 7], "max_tokens": 2},
+            headers={"X-Rollout-Id": rid},
+        )
+        replica = turn.json()["rollout"]["replica"]
+        pushed = await push(up, store, checkpoint(p, g), g)
+        rec = await store.replica(replica)
+        try:
+            control = await prefix_control(rec.url, g - 1)
+        except Exception as e:  # diagnostics for a failed control
+            binding = await store.binding(rid)
+            served = {
+                m.id: await served_adapters(m.handle.engine, timeout_s=10)
+                for m in up.replicas.values()
+            }
+            raise RuntimeError(
+                f"control failed on {replica}: {e}; session binding {binding}; "
+                f"served {served}; holds {await store.adapters.holds(replica)}"
+            ) from e
+        await http.post(f"/v1/rollouts/{rid}/close")
+    retired_wait = time.monotonic()
+    while time.monotonic() - retired_wait < 10:  # the session's g goes once it closed
+        held = {
+            m.id: await served_adapters(m.handle.engine, timeout_s=10) for m in up.replicas.values()
+        }
+        if all(len(v) == 1 for v in held.values()):
+            break
+        await asyncio.sleep(0.2)
+    return {
+        "prefix_control": control,
+        "control_push": {"state": pushed["state"], "all_admitting_s": pushed["all_admitting_s"]},
+        "stale_prefix_hits_across_adapters": control["g+1"]["hits"],
+        "served_at_end": held,
+    }
+
+
 def _replicas(workdir: Path, base: Path, p: Params) -> list[ReplicaConfig]:
     return [
         ReplicaConfig(
@@ -229,7 +284,7 @@ def _replicas(workdir: Path, base: Path, p: Params) -> list[ReplicaConfig]:
                 name=f"lora-r{i}",
                 cpu_bind=str(i),
                 work_dir=workdir / f"r{i}",
-                max_loras=p.max_staleness + 3,
+                max_loras=p.max_staleness + 3 if p.mode == "lora" else None,
                 max_lora_rank=8,
                 startup_timeout_s=240.0,
             ),
@@ -241,14 +296,15 @@ def _replicas(workdir: Path, base: Path, p: Params) -> list[ReplicaConfig]:
 async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     t_start = time.monotonic()
     base = await asyncio.to_thread(ensure_model, "lora-base")
-    for g in range(1, p.updates + 3):
-        await asyncio.to_thread(adapter_dir, g)
+    last = p.warmup_pushes + p.updates + 1
+    for g in range(1, last + 1):
+        await asyncio.to_thread(checkpoint, p, g)
     shutil.rmtree(workdir / "redis", ignore_errors=True)  # generation numbers start at 0
     redis = RedisServer(workdir / "redis").start()
     store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
     settings = UpdaterSettings(
         replicas=_replicas(workdir, base, p),
-        generations="lora",
+        generations="lora" if p.mode == "lora" else "weights",
         max_lora_rank=8,
         max_staleness=p.max_staleness,
         health_interval_s=0.5,
@@ -262,7 +318,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         await up.start()
         port = free_port()
         env = {
-            "ROLLOUTPOOL_ROUTER_GENERATIONS": "lora",
+            "ROLLOUTPOOL_ROUTER_GENERATIONS": settings.generations,
             "ROLLOUTPOOL_ROUTER_MAX_STALENESS": str(p.max_staleness),
             "ROLLOUTPOOL_REDIS_NAMESPACE": NAMESPACE,
         }
@@ -271,62 +327,31 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         await wait_http(url + "/healthz")
         bg = [asyncio.create_task(_load(url, p, run, stop, seed)) for seed in range(p.concurrency)]
         bg.append(asyncio.create_task(_sampler(store, p, run, stop)))
-        # steady = serving an adapter generation (g1), as the update phase does: vLLM's LoRA
+        # steady = serving an adapter generation, as the update phase does: vLLM's LoRA
         # kernels cost more than the bare base model's, and that is not the updates' cost
-        first = await push(up, store, 1)
+        warmup = [await push(up, store, checkpoint(p, g), g) for g in range(1, p.warmup_pushes + 1)]
         await asyncio.sleep(2.0)  # warm-up, not measured
         t_steady = time.monotonic()
         await asyncio.sleep(p.steady_s)
         t_updates = time.monotonic()
-        updates = [first]
-        for i, g in enumerate(range(2, p.updates + 2), start=1):
-            updates.append(await push(up, store, g))
+        updates = []
+        for i, g in enumerate(range(p.warmup_pushes + 1, last), start=1):
+            updates.append(await push(up, store, checkpoint(p, g), g))
             rest = t_updates + i * p.gap_s - time.monotonic()
             await asyncio.sleep(max(rest, 0.0))
         t_end = time.monotonic()
         stop.set()
         await asyncio.gather(*bg)
-        # the control: a session holds g on its replica while g+1 is pushed beside it
-        g = p.updates + 2
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-            opened = (await http.post("/v1/rollouts", json={})).json()
-            rid = opened["rollout_id"]
-            turn = await http.post(
-                "/v1/completions",
-                json={"model": "rolloutpool", "prompt": [5, 6, 7], "max_tokens": 2},
-                headers={"X-Rollout-Id": rid},
-            )
-            replica = turn.json()["rollout"]["replica"]
-            pushed = await push(up, store, g)
-            rec = await store.replica(replica)
-            try:
-                control = await prefix_control(rec.url, g - 1)
-            except Exception as e:  # diagnostics for a failed control
-                binding = await store.binding(rid)
-                served = {
-                    m.id: await served_adapters(m.handle.engine, timeout_s=10)
-                    for m in up.replicas.values()
-                }
-                raise RuntimeError(
-                    f"control failed on {replica}: {e}; session binding {binding}; "
-                    f"served {served}; holds {await store.adapters.holds(replica)}"
-                ) from e
-            await http.post(f"/v1/rollouts/{rid}/close")
-        retired_wait = time.monotonic()
-        while time.monotonic() - retired_wait < 10:  # the session's g goes once it closed
-            held = {
-                m.id: await served_adapters(m.handle.engine, timeout_s=10)
-                for m in up.replicas.values()
-            }
-            if all(len(v) == 1 for v in held.values()):
-                break
-            await asyncio.sleep(0.2)
+        result: dict[str, Any] = {}
+        if p.mode == "lora":
+            result = await _control(up, store, url, p, last)
         bad = [r.id for r in run.rollouts if any(t != marker_token(r.generation) for t in r.tokens)]
         steady = run.rate(t_steady, t_updates)
         through = run.rate(t_updates, t_end)
-        admitting = [u["all_admitting_s"] for u in updates[1:] if u["all_admitting_s"] is not None]
+        admitting = [u["all_admitting_s"] for u in updates if u["all_admitting_s"] is not None]
         return {
-            "updates": sum(1 for u in updates[1:] if u["state"] == "succeeded"),
+            "mode": p.mode,
+            "updates": sum(1 for u in updates if u["state"] == "succeeded"),
             "updates_failed": [u for u in updates if u["state"] != "succeeded"][:3],
             "rollouts": len(run.rollouts),
             "rollouts_by_kind": {
@@ -340,19 +365,14 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             "admitting_samples": run.samples,
             "steady_rollouts_per_s": round(steady, 2),
             "through_updates_rollouts_per_s": round(through, 2),
-            "throughput_through_updates_over_steady": round(through / steady, 3)
-            if steady
-            else None,
+            "throughput_through_updates_over_steady": (
+                round(through / steady, 3) if steady else None
+            ),
             "push_to_all_admitting_s": max(admitting) if admitting else None,
             "push_to_all_admitting_s_each": admitting,
-            "update_phases": [u["replicas"] for u in updates[1:3]],
-            "prefix_control": control,
-            "control_push": {
-                "state": pushed["state"],
-                "all_admitting_s": pushed["all_admitting_s"],
-            },
-            "stale_prefix_hits_across_adapters": control["g+1"]["hits"],
-            "served_at_end": held,
+            "warmup_push_to_all_admitting_s": [u["all_admitting_s"] for u in warmup],
+            "update_phases": [u["replicas"] for u in updates[:2]],
+            **result,
             "client_errors": run.errors,
             "wall_s": round(time.monotonic() - t_start, 1),
             "params": p.__dict__,
