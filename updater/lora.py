@@ -29,6 +29,10 @@ removed, 404 already gone). Adapter slots: a replica is launched with ``max_lora
 ``max_staleness + 2`` (the admissible generations, one held by a finishing rollout, the new one);
 vLLM swaps more from their files if it must, slower but correct.
 
+**Left behind**: a READY replica whose load failed, or that a recovery brought up while a newer
+generation was published, is brought up to the published one by :meth:`LoraRollout.reconcile`
+(every ``retire_interval_s``, once per replica and generation).
+
 **Recovery** (I6) of a LoRA replica: a fresh process is brought up on the base model (g0's
 record, loaded from scratch and validated as any bootstrap), then :meth:`LoraRollout.catch_up`
 loads the live generations' adapters (``latest - max_staleness`` .. ``latest``) and admits the
@@ -88,6 +92,7 @@ class LoraRollout:
         self.store = runner.store
         self.replicas = replicas
         self.max_staleness = max_staleness
+        self._tried: set[tuple[str, int]] = set()  # what reconcile() already attempted
 
     # ------------------------------------------------------------------ the update
 
@@ -238,7 +243,9 @@ class LoraRollout:
         generations (``latest - max_staleness`` .. ``latest``), admitting each in turn. A
         failure taints it (the supervisor recovers it again). The caller holds ``m.lock``."""
         latest = await self._latest_number()
-        for n in range(max(1, latest - self.max_staleness), latest + 1):
+        own = m.handle.lc.generation
+        first = max(1, latest - self.max_staleness, (own.number + 1) if own else 1)
+        for n in range(first, latest + 1):
             try:
                 gen = await self.store.generation_record(n)
             except NotFound:
@@ -252,6 +259,34 @@ class LoraRollout:
             except (RolloutPoolError, _Refused) as e:
                 await self.runner._taint(m.handle, f"catch up to g{n}", e)
                 raise RolloutPoolError(f"{m.id}: catching up to g{n} failed: {e}") from e
+
+    async def reconcile(self) -> None:
+        """Bring every READY replica left behind the published generation (its load failed,
+        or a recovery finished on an older one) up to it, as an update would (:meth:`_load_on`:
+        a refusal leaves it where it is); each (replica, generation) is tried once. Replicas
+        busy with another step are skipped this round."""
+        latest = await self.runner.retrying(self.store.latest)
+        if latest is None or latest[0].number == 0:
+            return
+        number = latest[0].number
+        behind = [
+            self.replicas[r.replica_id]
+            for r in await self.runner.retrying(self.store.replicas)
+            if r.replica_id in self.replicas
+            and r.state is S.READY
+            and (r.generation or 0) < number
+            and (r.replica_id, number) not in self._tried
+            and not self.replicas[r.replica_id].lock.locked()
+        ]
+        if not behind:
+            return
+        gen = await self.store.generation_record(number)
+        for m in behind:
+            self._tried.add((m.id, number))
+            out = await self._load_on(m, gen)
+            log.info(
+                "%s caught up to g%d: %s %s", m.id, number, out.report.outcome, out.report.reason
+            )
 
     # ------------------------------------------------------------------ retiring
 

@@ -152,14 +152,16 @@ class Updater:
         self.ready.set()
 
     async def _retire_loop(self) -> None:
-        """LoRA pools: unload adapters nothing holds any more, every ``retire_interval_s``."""
+        """LoRA pools, every ``retire_interval_s``: bring READY replicas left behind up to the
+        published generation, and unload adapters nothing holds any more."""
         assert self.lora is not None
         while True:
             await asyncio.sleep(self.settings.retire_interval_s)
             try:
+                await self.lora.reconcile()
                 await self.lora.retire()
             except RolloutPoolError as e:  # Redis away, the lease lost: next round
-                log.warning("retiring adapters: %s", e)
+                log.warning("reconciling or retiring adapters: %s", e)
 
     async def stop(self, *, stop_replicas: bool = True) -> None:
         """Stop acting and give the lease up. With ``stop_replicas``, the replicas this updater

@@ -391,3 +391,20 @@ async def test_a_failed_load_after_which_the_replica_answers_otherwise_taints(
     assert (await store.replica("r0")).state is S.TAINTED
     latest = await store.latest()
     assert latest is not None and latest[0] == G0
+
+
+async def test_a_replica_left_behind_is_brought_up_to_the_published_generation(
+    store: RedisStore,
+) -> None:
+    servers = {"r0": FakeLoraServer(), "r1": FakeLoraServer(load_status=500)}
+    lora, _ = await lora_pool(store, servers)
+    await roll(lora, store, G1)
+    assert (await store.replica("r1")).generation == 0  # refused: left behind
+    servers["r1"].load_status = 200  # whatever failed is gone
+    await lora.reconcile()
+    r1 = await store.replica("r1")
+    assert (r1.state, r1.generation) == (S.READY, 1)
+    assert set(servers["r1"].adapters) == {"rp-1-g1"}
+    servers["r0"].calls.clear()
+    await lora.reconcile()  # nothing left behind: no engine call
+    assert servers["r0"].calls == []
