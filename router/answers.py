@@ -285,6 +285,8 @@ async def whole_answer(
         )
     outcome.finish(usage_tokens(data), upstream_aborted(finish_reasons(data), usage_tokens(data)))
     data["rollout"] = info.as_json()
+    if expect_model is not None:  # a LoRA pool: the adapter that generated it
+        data["rollout"]["adapter"] = expect_model
     if model is not None and "model" in data:
         data["model"] = model
     return json_response(data, status=status, headers=info.headers())
@@ -455,6 +457,8 @@ async def stream_answer(
         verdict = await settle(outcome)
 
         rollout = info.as_json()
+        if expect_model is not None:  # a LoRA pool: the adapter that generated it
+            rollout["adapter"] = expect_model
         problem: tuple[str, str] | None = None
         if violation is not None and verdict is Settled.CONFIRMED:
             await report_violation(request.app, target, violation)

@@ -9,7 +9,8 @@ the client's in exactly these ways:
   ``model_not_found``. Responses carry the name the client asked for. In a LoRA pool
   (``generations: lora``) it becomes the bound generation's adapter instead
   (:func:`pool.adapters.adapter_name`; generation 0: the model id), and the answer must name
-  that adapter (a violation otherwise, as a contradicting span).
+  that adapter (a violation otherwise, as a contradicting span); the ``rollout`` object then
+  carries it as ``adapter``.
 * ``cache_salt`` becomes the bound generation's label (``label:client-salt`` if the client sent
   one, hashed where vLLM would refuse it: :func:`cache_salt`), so prefix-cache entries never
   cross a weight change (reference/vllm-api.md §4).

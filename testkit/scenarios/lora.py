@@ -130,6 +130,9 @@ async def _single(http: httpx.AsyncClient, rng: random.Random, p: Params, run: R
     data = r.json()
     info = data["rollout"]
     tokens = data["choices"][0]["token_ids"]
+    gen = Generation(number=int(info["generation"]), label=info["label"])
+    if p.mode == "lora" and info.get("adapter") != adapter_name(gen):  # g0: none
+        run.error(f"rollout object names adapter {info.get('adapter')!r}")
     run.rollouts.append(
         Rollout(info["id"], "single", int(info["generation"]), tokens, time.monotonic())
     )
