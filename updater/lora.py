@@ -75,7 +75,6 @@ class _Loaded:
 
     m: ManagedReplica
     report: ReplicaReport
-    evidence: AdapterEvidence | None = None
 
 
 class LoraRollout:
@@ -132,9 +131,9 @@ class LoraRollout:
                 report.outcome, report.reason = ReplicaOutcome.FAILED, f"{m.handle.lc.state}"
                 return out
             try:
-                out.evidence = await self._load_and_validate(m.handle, gen, report)
+                ev = await self._load_and_validate(m.handle, gen, report)
                 t0 = time.monotonic()
-                await self.runner.commit(m.handle, out.evidence, publish=False)
+                await self.runner.commit(m.handle, ev, publish=False)
                 report.phases["admit"] = time.monotonic() - t0
                 report.outcome = ReplicaOutcome.READY
             except _Refused as e:
