@@ -36,3 +36,48 @@ def test_an_adapters_probe_is_its_marker_on_the_base() -> None:
     adapter = ensure_model("lora-marker", token_id=marker_token(3))
     _, expected = probe_from_adapter(adapter, base, n_tokens=4)
     assert expected == [marker_token(3)] * 4
+
+
+class RecordingUpdater:
+    """What PoolLink calls on its UpdaterClient, recorded; every update succeeds."""
+
+    def __init__(self) -> None:
+        self.pushed: list[tuple[Path, dict[str, list[int]]]] = []
+
+    def push(self, checkpoint: Path, *, probe: Any, **kw: Any) -> dict[str, Any]:
+        self.pushed.append((Path(checkpoint), probe))
+        n = len(self.pushed)
+        return {"id": f"up-{n}", "generation": n, "label": kw["label"], "identity_digest": "w"}
+
+    def wait(self, update_id: str, timeout_s: float) -> dict[str, Any]:
+        return {"id": update_id, "state": "succeeded", "replicas": {}}
+
+    def close(self) -> None:
+        pass
+
+
+def test_pool_link_pushes_a_peft_models_adapter(tmp_path: Path) -> None:
+    """PoolLink with a PEFT model: the pushed directory is the adapter (what a LoRA pool takes),
+    its probe the adapted model's greedy output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rolloutpool.integrations.trl import PoolLink
+
+    base = ensure_model("lora-base")
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["o_proj"]))
+    link = PoolLink("http://127.0.0.1:9", "http://127.0.0.1:9", checkpoint_dir=tmp_path, run="r")
+    fake = RecordingUpdater()
+    link._updater = fake  # type: ignore[assignment]
+    try:
+        link._push(adapted, None, step=3)
+    finally:
+        link.close()
+    ((ckpt, probe),) = fake.pushed
+    assert (ckpt / "adapter_config.json").is_file()
+    info = read_adapter(ckpt, read_manifest(base), max_rank=16)
+    assert info.modules == ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj")
+    prompt, expected = probe_from_adapter(ckpt, base, n_tokens=4, seed=3)
+    assert (list(probe[0]), list(probe[1])) == (prompt, expected)
+    assert link.updates[0].checkpoint == str(ckpt)
