@@ -3,6 +3,7 @@ and the probe of an adapter is computed on its base (``rolloutpool push --base``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +82,23 @@ def test_pool_link_pushes_a_peft_models_adapter(tmp_path: Path) -> None:
     prompt, expected = probe_from_adapter(ckpt, base, n_tokens=4, seed=3)
     assert (list(probe[0]), list(probe[1])) == (prompt, expected)
     assert link.updates[0].checkpoint == str(ckpt)
+
+
+def test_push_finds_the_base_of_an_adapter_or_asks_for_it(tmp_path: Path) -> None:
+    from rolloutpool.errors import CliError, ExitCode
+    from rolloutpool.push import _adapter_base
+
+    base = ensure_model("lora-base")
+    adapter = ensure_model("lora-marker", token_id=marker_token(1))
+    assert _adapter_base(base, None) is None  # a full checkpoint: no base needed
+    assert _adapter_base(adapter, base) == base
+    with pytest.raises(CliError) as e:  # its config names a base that is not a directory here
+        _adapter_base(adapter, None)
+    assert e.value.exit_code == ExitCode.USAGE and "--base" in str(e.value)
+    named = tmp_path / "named"
+    named.mkdir()
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (named / "adapter_config.json").write_text(
+        json.dumps({**cfg, "base_model_name_or_path": str(base)})
+    )
+    assert _adapter_base(named, None) == base
