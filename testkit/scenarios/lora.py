@@ -24,7 +24,10 @@ Measured:
 * ``prefix_control``: on one replica, a 300-token prompt sent with one ``cache_salt`` through
   adapter g, then g+1, then g+1 again (vLLM's ``prefix_cache_hits`` counter read around each):
   g+1 must get 0 hits from g's blocks, and hits from its own;
-* ``retired``: adapters the pool unloaded; ``served_at_end``: what each replica still holds.
+* ``restart``: r1's server SIGKILLed after the updates: whether and when it is READY again on
+  the latest generation in a new process (the base, then the live adapters: I6);
+* ``served_at_end``: what each replica still holds once the control's session closed (the
+  retired adapters are gone).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from pool.launcher import ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
+from testkit.harness import local_launcher
 from testkit.models import ensure_model, marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
@@ -74,6 +78,9 @@ class Params:
     mode: str = "lora"
     #: Pushes before the steady phase (not measured; the first loads warm vLLM's LoRA slots).
     warmup_pushes: int = 2
+    #: ``lora``: after the updates, SIGKILL r1; it must come back on the latest generation
+    #: (a fresh process on the base, then the live adapters).
+    restart: bool = True
 
 
 @dataclass
@@ -277,6 +284,33 @@ async def _control(up: Updater, store: RedisStore, url: str, p: Params, g: int) 
     }
 
 
+async def _restart(up: Updater, store: RedisStore) -> dict[str, Any]:
+    """SIGKILL r1's server; wait until the supervisor has it READY on the latest generation in
+    a new process; what it serves then."""
+    before = await store.replica("r1")
+    t0 = time.monotonic()
+    local_launcher(up, "r1").kill()
+    recovered = False
+    while time.monotonic() - t0 < 360:  # a start on a loaded 2-core box: up to minutes
+        r1, latest = await asyncio.gather(store.replica("r1"), store.latest())
+        if (
+            r1.state is S.READY
+            and r1.process != before.process
+            and latest is not None
+            and r1.generation == latest[0].number
+        ):
+            recovered = True
+            break
+        await asyncio.sleep(0.2)
+    m = up.replicas["r1"]
+    return {
+        "recovered": recovered,
+        "recovered_after_s": round(time.monotonic() - t0, 1),
+        "generation": r1.generation,
+        "served": await served_adapters(m.handle.engine, timeout_s=10) if recovered else {},
+    }
+
+
 def _replicas(workdir: Path, base: Path, p: Params) -> list[ReplicaConfig]:
     return [
         ReplicaConfig(
@@ -347,7 +381,9 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         await asyncio.gather(*bg)
         result: dict[str, Any] = {}
         if p.mode == "lora":
-            result = await _control(up, store, url, p, last)
+            if p.restart:
+                result["restart"] = await _restart(up, store)
+            result.update(await _control(up, store, url, p, last))
         bad = [r.id for r in run.rollouts if any(t != marker_token(r.generation) for t in r.tokens)]
         steady = run.rate(t_steady, t_updates)
         through = run.rate(t_updates, t_end)

@@ -1,5 +1,6 @@
 """LoRA generations on 2 real vLLM CPU replicas (``testkit.scenarios.lora``): 10 adapter pushes
-under continuous rollouts through the router, no drain; the prefix-cache control."""
+under continuous rollouts through the router, no drain; a replica killed and recovered; the
+prefix-cache control."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ async def test_adapter_generations_side_by_side_never_mix(tmp_path: Path) -> Non
     assert control["g"]["hits"] == 0 and control["g+1"]["hits"] == 0  # nothing from g's blocks
     assert control["g+1 again"]["hits"] > 0 and control["g again"]["hits"] > 0  # own blocks hit
     assert r["stale_prefix_hits_across_adapters"] == 0
+    # a replica killed comes back in a new process on the base plus the latest adapter (I6)
+    restart = r["restart"]
+    assert restart["recovered"], restart
+    assert list(restart["served"]) == [f"rp-{restart['generation']}-g{restart['generation']}"]
     # the session's generation was retired once it closed: one adapter left per replica
     assert all(len(held) == 1 for held in r["served_at_end"].values()), r["served_at_end"]
     assert r["client_errors"] == {}
