@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from pool.adapters import adapter_name, read_adapter, served_model
 from pool.checkpoint import read_manifest
-from pool.engine import VllmEngine
+from pool.engine import Capabilities, VllmEngine
 from pool.errors import IllegalTransition, PostconditionFailed, PreflightFailed, StaleFencingToken
 from pool.evidence import AdapterEvidence, ProcessIdentity
 from pool.lifecycle import Lifecycle, advance
@@ -203,13 +203,9 @@ async def test_holds_counts_bindings_and_live_grants_on_their_generation(
 
 
 def test_the_router_sends_the_bound_adapter_and_checks_the_answer_names_it() -> None:
-    info = ReplicaInfo.__new__(ReplicaInfo)
-    object.__setattr__(info, "model_id", "/models/base")
-    caps = type("Caps", (), {"spans_completions": False})()
-    object.__setattr__(info, "capabilities", caps)
-    out = upstream_body(
-        {"model": "rolloutpool", "prompt": "x"}, "/v1/completions", "g2", "rp-2-g2", info, False
-    )
+    info = ReplicaInfo("/models/base", Capabilities.from_version("0.32.0"))
+    body = {"model": "rolloutpool", "prompt": "x"}
+    out = upstream_body(body, "/v1/completions", "g2", "rp-2-g2", info, False)
     assert out["model"] == "rp-2-g2" and out["cache_salt"] == "g2"
     assert check_response({"model": "rp-2-g2", "choices": []}, "g2", "rp-2-g2") is None
     verdict = check_response({"model": "rp-1-g1", "choices": []}, "g2", "rp-2-g2")
