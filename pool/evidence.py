@@ -319,6 +319,37 @@ class UpdateCancelled:
 
 
 @dataclass(frozen=True)
+class AdapterEvidence:
+    """A LoRA generation was loaded beside the served ones on a READY replica and validated
+    through its adapter (:mod:`pool.adapters`), while the older generations kept serving.
+
+    ``listed`` says vLLM lists ``adapter`` as a model after the load; ``probe_actual`` is the
+    greedy output of the probe sent with ``model`` = ``adapter`` and ``answered_model`` the
+    ``model`` its answer named. ``process`` is the serving process's identity read after the
+    probe (None: not reported); it must be the bootstrapped one, or the adapter was validated
+    on a process the record does not vouch for.
+    """
+
+    generation: Generation
+    identity_digest: str
+    adapter: str
+    listed: bool
+    probe_expected: tuple[int, ...]
+    probe_actual: tuple[int, ...]
+    answered_model: str | None
+    process: str | None = None
+
+    @property
+    def proves_admissible(self) -> bool:
+        return (
+            self.listed
+            and self.answered_model == self.adapter
+            and len(self.probe_expected) > 0
+            and self.probe_expected == self.probe_actual
+        )
+
+
+@dataclass(frozen=True)
 class RecoveryStarted:
     """A TAINTED replica is being replaced by a fresh process."""
 
@@ -337,9 +368,11 @@ Event = (
     | UpdateCancelled
     | StepFailed
     | RecoveryStarted
+    | AdapterEvidence
 )
 
 __all__ = [
+    "AdapterEvidence",
     "BootstrapEvidence",
     "CacheResetEvidence",
     "ChecksumEvidence",

@@ -132,6 +132,11 @@ class ReplicaSpec(BaseModel):
     enable_prefix_caching: bool = True
     enable_scale_out: bool = False  # adds /inference/v1/generate (per-token weight_versions)
     weight_transfer_backend: str | None = None  # gpu: e.g. "nccl" -> --weight-transfer-config
+    #: LoRA generations (pool.adapters): adapters one batch may use (``--max-loras``; None: no
+    #: LoRA); with it, ``--enable-lora`` and runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+    max_loras: int | None = Field(default=None, ge=1)
+    #: With ``max_loras``: the highest adapter rank served (``--max-lora-rank``).
+    max_lora_rank: int = Field(default=16, ge=1)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     work_dir: Path | None = None
@@ -177,6 +182,9 @@ class ReplicaSpec(BaseModel):
             common.append("--enable-scale-out")
         if self.served_model_name:
             common += ["--served-model-name", self.served_model_name]
+        if self.max_loras is not None:
+            common += ["--enable-lora", "--max-loras", str(self.max_loras)]
+            common += ["--max-lora-rank", str(self.max_lora_rank)]
         if self.flavor == "cpu":
             argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
             argv += ["--model", str(self.model), *common]
@@ -206,6 +214,8 @@ class ReplicaSpec(BaseModel):
                 "PYTHONFAULTHANDLER": "1",
             }
         )
+        if self.max_loras is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if self.flavor == "cpu":
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind or "auto"
         elif self.cuda_visible_devices is not None:

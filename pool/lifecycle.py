@@ -18,6 +18,7 @@ The happy path (invariants I2 and I3 fall out of it being the only path to a new
     DRAINING --DrainEvidence--> QUIESCED --TransferStarted--> UPDATING
     UPDATING --TransferEvidence--> INVALIDATING --CacheResetEvidence--> VALIDATING
     VALIDATING --ValidationEvidence--> RESUMING --ResumeEvidence--> READY (target generation)
+    READY --AdapterEvidence--> READY (a newer LoRA generation loaded beside the old, no drain)
     DRAINING | QUIESCED --UpdateCancelled--> READY (old generation)
     * --StepFailed(AMBIGUOUS)--> TAINTED --RecoveryStarted--> RECOVERING
     RECOVERING --BootstrapEvidence--> READY   (only from a new process, weights loaded: I6)
@@ -30,6 +31,7 @@ from dataclasses import dataclass, replace
 
 from pool.errors import IllegalTransition, PostconditionFailed
 from pool.evidence import (
+    AdapterEvidence,
     BootstrapEvidence,
     CacheResetEvidence,
     DrainEvidence,
@@ -78,7 +80,7 @@ Guard = Callable[[Lifecycle, Event], Lifecycle]
 # the only place that assigns a next state (``advance`` applies it to what the guard returns).
 TRANSITIONS: dict[ReplicaState, dict[type, ReplicaState]] = {
     S.UNINITIALIZED: {BootstrapEvidence: S.READY},
-    S.READY: {DrainRequested: S.DRAINING},
+    S.READY: {DrainRequested: S.DRAINING, AdapterEvidence: S.READY},
     S.DRAINING: {DrainEvidence: S.QUIESCED, UpdateCancelled: S.READY},
     S.QUIESCED: {TransferStarted: S.UPDATING, UpdateCancelled: S.READY},
     S.UPDATING: {TransferEvidence: S.INVALIDATING},
@@ -212,6 +214,28 @@ def _resumed(lc: Lifecycle, ev: Event) -> Lifecycle:
     return Lifecycle(generation=lc.target, identity=lc.target_identity, process=lc.process)
 
 
+def _adapter(lc: Lifecycle, ev: Event) -> Lifecycle:
+    """A LoRA generation joins a READY replica: the base weights are untouched (I2 holds: no
+    weight of a generation already served changes) and every request names its adapter, so
+    the replica admits the newer generation from here while bindings on older ones finish."""
+    assert isinstance(ev, AdapterEvidence)
+    cur = lc.generation
+    if cur is None or ev.generation.number <= cur.number:
+        raise _refuse(lc, ev, f"g{ev.generation.number} is not newer than {cur}")
+    if not ev.proves_admissible:
+        raise _refuse(
+            lc,
+            ev,
+            f"listed={ev.listed} answered_model={ev.answered_model!r} (sent {ev.adapter!r}) "
+            f"probe {list(ev.probe_actual[:8])} expected {list(ev.probe_expected[:8])}",
+        )
+    if ev.process is not None and lc.process is not None and ev.process != lc.process.engine:
+        raise _refuse(
+            lc, ev, f"the server process changed ({lc.process} -> {ev.process}) since bootstrap"
+        )
+    return Lifecycle(generation=ev.generation, identity=ev.identity_digest, process=lc.process)
+
+
 def _recovery(lc: Lifecycle, ev: Event) -> Lifecycle:
     assert isinstance(ev, RecoveryStarted)
     return replace(lc, reason=ev.reason or lc.reason)
@@ -228,6 +252,7 @@ GUARDS: dict[type, Guard] = {
     ValidationEvidence: _validated,
     ResumeEvidence: _resumed,
     RecoveryStarted: _recovery,
+    AdapterEvidence: _adapter,
 }
 
 

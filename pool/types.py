@@ -186,10 +186,13 @@ class Binding(_Frozen):
 class GenerationRecord(_Frozen):
     """A generation the updater declared: the identity it must carry, where its checkpoint is,
     and the validation probe (greedy output of ``probe_prompt`` must equal ``probe_expected``)
-    that every replica loading it — updated or freshly restarted — must pass."""
+    that every replica loading it — updated or freshly restarted — must pass. ``adapter``: in
+    a pool whose generations are LoRA adapters, the name it is served under (``checkpoint`` is
+    then the adapter's directory); '' for full weights and for the base model."""
 
     generation: Generation
     identity: WeightIdentity
     checkpoint: str = ""
     probe_prompt: tuple[int, ...] = ()
     probe_expected: tuple[int, ...] = ()
+    adapter: str = ""

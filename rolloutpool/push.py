@@ -66,20 +66,45 @@ def _calling(updater: str, doing: str, refused: bool) -> Iterator[None]:
         raise CliError(code, text) from e
 
 
-def _probe(checkpoint: Path, margin: float) -> tuple[list[int], list[int]]:
-    """The validation probe computed from ``checkpoint`` (see :mod:`updater.probe`)."""
+def _adapter_base(checkpoint: Path, base: Path | None) -> Path | None:
+    """For a LoRA adapter directory (it has ``adapter_config.json``): the base model to compute
+    its probe on, ``--base`` or the adapter's ``base_model_name_or_path`` where that is a local
+    directory; None for a full checkpoint."""
+    config = checkpoint / "adapter_config.json"
+    if not config.is_file():
+        return None
+    if base is not None:
+        return base.expanduser().resolve()
     try:
-        from updater.probe import probe_from_checkpoint
+        named = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if isinstance(named, str) and Path(named).is_dir():
+        return Path(named).resolve()
+    raise CliError(
+        ExitCode.USAGE,
+        f"{checkpoint} is a LoRA adapter: its probe is computed on the base model; give "
+        "--base DIR (the pool's base model) or --probe",
+    )
+
+
+def _probe(checkpoint: Path, margin: float, base: Path | None) -> tuple[list[int], list[int]]:
+    """The validation probe computed from ``checkpoint`` (see :mod:`updater.probe`), a full
+    checkpoint or, with ``base``, a LoRA adapter on that base model."""
+    try:
+        from updater.probe import probe_from_adapter, probe_from_checkpoint
 
         hf_logging: Any = importlib.import_module("transformers.utils.logging")
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+        if base is not None:
+            return probe_from_adapter(checkpoint, base, margin=margin)
         return probe_from_checkpoint(checkpoint, margin=margin)
     except ImportError as e:
         raise CliError(
             ExitCode.REFUSED,
-            f"computing the validation probe needs torch and transformers ({e}); "
-            "install the cpu or gpu extra",
+            f"computing the validation probe needs torch and transformers (and peft for an "
+            f"adapter) ({e}); install the cpu or gpu extra (and the trl extra)",
         ) from e
     except Exception as e:  # transformers/torch/safetensors refusing the user's directory
         raise CliError(
@@ -203,6 +228,16 @@ change, e.g. "[12:00:03] replica-0    validate   (invalidate 0.01s)".
     help="JSON {prompt_token_ids, expected_token_ids}: a probe the trainer computed.",
 )
 @click.option(
+    "--base",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    metavar="DIR",
+    envvar="ROLLOUTPOOL_PUSH_BASE",
+    show_envvar=True,
+    show_default="the adapter's base_model_name_or_path",
+    help="A LoRA pool: the base model CHECKPOINT (an adapter) is computed on for its probe.",
+)
+@click.option(
     "--margin",
     type=click.FloatRange(min=0.0),
     default=2e-3,
@@ -256,6 +291,7 @@ def push(
     step: int | None,
     label: str | None,
     probe_file: Path | None,
+    base: Path | None,
     margin: float,
     timeout: float,
     no_wait: bool,
@@ -264,11 +300,14 @@ def push(
 ) -> None:
     """Push CHECKPOINT and follow its rolling update.
 
-    CHECKPOINT is a directory of safetensors weights of the pool's architecture, at a path the
-    updater can read too. push checks the updater and the token, computes the validation probe
-    from the checkpoint unless --probe gives one (the greedy tokens the new weights must
-    produce; transformers on CPU), pushes, and shows each replica's phases (drain, transfer,
-    invalidate, validate, resume, with seconds) until the update ends.
+    CHECKPOINT is a directory of safetensors weights of the pool's architecture, or in a pool
+    whose generations are LoRA adapters a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors), at a path the updater and the replicas can read too. push
+    checks the updater and the token, computes the validation probe from the checkpoint
+    unless --probe gives one (the greedy tokens the new weights must produce; transformers on
+    CPU; an adapter's on --base), pushes, and shows each replica's phases (drain, transfer,
+    invalidate, validate, resume; an adapter's load, validate, admit, with seconds) until the
+    update ends.
     """
     updater = base_url(updater)
     if mode == "auto":
@@ -279,6 +318,7 @@ def push(
     if not ckpt.is_dir():
         raise CliError(ExitCode.REFUSED, f"the checkpoint {ckpt} is not a directory")
     probe = None if probe_file is None else _read_probe(probe_file)
+    adapter_base = None if probe is not None else _adapter_base(ckpt, base)
     queued: dict[str, Any] | None = None
     try:
         with UpdaterClient(updater, token) as client:
@@ -286,7 +326,7 @@ def push(
                 client.list(limit=1)
             if probe is None:
                 say(f"computing the validation probe of {ckpt} ...")
-                probe = _probe(ckpt, margin)
+                probe = _probe(ckpt, margin, adapter_base)
             with _calling(updater, "pushing", refused=True):
                 queued = client.push(ckpt, probe=probe, step=step, label=label)
             if no_wait:

@@ -198,6 +198,7 @@ async def whole_answer(
     outcome: Outcome,
     settle: Settlement,
     sent: float,
+    expect_model: str | None = None,
 ) -> web.Response:
     info = target.info
     rid = target.replica.replica_id
@@ -268,7 +269,7 @@ async def whole_answer(
             replica=rid,
             rollout=info.as_json(),
         )
-    violation = check_response(data, info.label)
+    violation = check_response(data, info.label, expect_model)
     if violation is not None:
         outcome.violate(violation)
         verdict = await settle(outcome)  # first: was the binding still active?
@@ -284,6 +285,8 @@ async def whole_answer(
         )
     outcome.finish(usage_tokens(data), upstream_aborted(finish_reasons(data), usage_tokens(data)))
     data["rollout"] = info.as_json()
+    if expect_model is not None:  # a LoRA pool: the adapter that generated it
+        data["rollout"]["adapter"] = expect_model
     if model is not None and "model" in data:
         data["model"] = model
     return json_response(data, status=status, headers=info.headers())
@@ -357,6 +360,7 @@ async def stream_answer(
     wants_usage: bool,
     outcome: Outcome,
     settle: Settlement,
+    expect_model: str | None = None,
 ) -> web.StreamResponse:
     info = target.info
     out = web.StreamResponse(
@@ -390,7 +394,7 @@ async def stream_answer(
                 f"client stopped reading: an event waited {write_timeout:g} s to be sent"
             ) from e
 
-    check = SpanCheck(info.label)
+    check = SpanCheck(info.label, expect_model)
     tokens: tuple[int, int] | None = None
     reasons: list[str] = []
     held: dict[str, Any] | None = None
@@ -453,6 +457,8 @@ async def stream_answer(
         verdict = await settle(outcome)
 
         rollout = info.as_json()
+        if expect_model is not None:  # a LoRA pool: the adapter that generated it
+            rollout["adapter"] = expect_model
         problem: tuple[str, str] | None = None
         if violation is not None and verdict is Settled.CONFIRMED:
             await report_violation(request.app, target, violation)

@@ -44,6 +44,10 @@ ROLLOUT = {
         "label": {"type": "string"},
         "identity_digest": {"type": "string"},
         "replica": {"type": "string"},
+        "adapter": {
+            "type": "string",
+            "description": "a pool whose generations are LoRA adapters: the one that generated it",
+        },
     },
 }
 #: A replica's own 4xx answer, passed through with the ``rollout`` object added: vLLM's

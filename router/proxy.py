@@ -6,7 +6,11 @@ the client's in exactly these ways:
 
 * ``model`` becomes the replica's own model id (vLLM names it by its path); the client may send
   the router's ``served_model_name``, a replica's id, or nothing; anything else is 404
-  ``model_not_found``. Responses carry the name the client asked for.
+  ``model_not_found``. Responses carry the name the client asked for. In a LoRA pool
+  (``generations: lora``) it becomes the bound generation's adapter instead
+  (:func:`pool.adapters.adapter_name`; generation 0: the model id), and the answer must name
+  that adapter (a violation otherwise, as a contradicting span); the ``rollout`` object then
+  carries it as ``adapter``.
 * ``cache_salt`` becomes the bound generation's label (``label:client-salt`` if the client sent
   one, hashed where vLLM would refuse it: :func:`cache_salt`), so prefix-cache entries never
   cross a weight change (reference/vllm-api.md §4).
@@ -85,8 +89,9 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from pool.adapters import adapter_name
 from pool.store.grants import FinalRecord
-from pool.types import BindingState, ReplicaRecord
+from pool.types import BindingState, Generation, ReplicaRecord
 from pool.web import (
     CLIENT,
     BadRequest,
@@ -397,11 +402,11 @@ def cache_salt(label: str, client_salt: Any) -> str:
 
 
 def upstream_body(
-    body: dict[str, Any], route: str, label: str, info: ReplicaInfo, stream: bool
+    body: dict[str, Any], route: str, label: str, model: str, info: ReplicaInfo, stream: bool
 ) -> dict[str, Any]:
     """The body sent to the replica (see the module docstring for every difference)."""
     out = dict(body)
-    out["model"] = info.model_id
+    out["model"] = model
     out["cache_salt"] = cache_salt(label, body.get("cache_salt"))
     if stream:
         options = out.get("stream_options")
@@ -440,7 +445,11 @@ async def forward(
             replica=target.replica.replica_id,
             rollout=target.info.as_json(),
         ) from e
-    payload = dumpb(upstream_body(body, route, target.info.label, info, stream))
+    adapter = None
+    if app[SETTINGS].generations == "lora":
+        adapter = adapter_name(Generation(number=target.info.generation, label=target.info.label))
+    upstream_model = adapter or info.model_id
+    payload = dumpb(upstream_body(body, route, target.info.label, upstream_model, info, stream))
     url = upstream_url(target.replica.url, route)
     sent = time.perf_counter()
     deadline = asyncio.timeout_at(target.deadline.at)
@@ -458,9 +467,11 @@ async def forward(
             wants_usage = isinstance(body.get("stream_options"), dict) and bool(
                 body["stream_options"].get("include_usage")
             )
-            out = await stream_answer(request, resp, target, model, wants_usage, outcome, settle)
+            out = await stream_answer(
+                request, resp, target, model, wants_usage, outcome, settle, adapter
+            )
         else:
-            out = await whole_answer(request, resp, target, model, outcome, settle, sent)
+            out = await whole_answer(request, resp, target, model, outcome, settle, sent, adapter)
         complete = True
         return out
     finally:

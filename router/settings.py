@@ -10,7 +10,7 @@ string (``k1,k2``). An empty list disables client authentication.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -104,6 +104,11 @@ class RouterSettings(BaseSettings):
     served_model_name: str = Field(default="rolloutpool", min_length=1)
 
     max_staleness: int = Field(default=0, ge=0)
+    #: What a generation is; must match the updater's ``generations``. ``lora``: generation
+    #: g >= 1 is a LoRA adapter every replica serves beside the others, and each request is
+    #: sent with ``model`` = its rollout's adapter (``rp-<number>-<label>``; g0 the base
+    #: model), whose answer must name it (else a provenance violation).
+    generations: Literal["weights", "lora"] = "weights"
     admission_wait_s: float = Field(default=5.0, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
     replica_view_ttl_s: float = Field(default=0.25, ge=0)

@@ -296,16 +296,36 @@ MODEL_KINDS: dict[str, tuple[Builder, dict[str, Any]]] = {
         {"seed": None, "intermediate_size": INTERMEDIATE, "dtype": "float32", "init_std": INIT_STD},
     ),
     "marker": (build_marker, {"token_id": None, "seed": 0}),
+    "lora-base": (lambda d, **kw: _lora().build_lora_base(d, **kw), {"seed": 0}),
+    "lora-marker": (
+        lambda d, token_id, **kw: _lora().build_marker_adapter(d, token_id, **kw),
+        {"token_id": None, "seed": 0},
+    ),
+    "lora-merged": (
+        lambda d, token_id, **kw: _lora().build_merged_marker(d, token_id, **kw),
+        {"token_id": None, "seed": 0},
+    ),
 }
 
 
-def _code_version() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+def _lora() -> Any:
+    """:mod:`testkit.lora_models` (imported late: it imports this module)."""
+    return importlib.import_module("testkit.lora_models")
+
+
+def _code_version(kind: str) -> str:
+    """A hash of the builders' source: this module, and :mod:`testkit.lora_models` for the
+    ``lora-*`` kinds (editing it rebuilds those only)."""
+    here = Path(__file__).resolve()
+    blob = here.read_bytes()
+    if kind.startswith("lora-"):
+        blob += here.with_name("lora_models.py").read_bytes()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _key(kind: str, params: dict[str, Any], defaults: dict[str, Any]) -> str:
     """``<kind>-<non-default params>-<hash of code and all params>``."""
-    blob = json.dumps({"kind": kind, "params": params, "code": _code_version()}, sort_keys=True)
+    blob = json.dumps({"kind": kind, "params": params, "code": _code_version(kind)}, sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
     shown = [
         f"{k}{params[k]}" for k in sorted(params) if params[k] != defaults[k] or defaults[k] is None
@@ -316,7 +336,9 @@ def _key(kind: str, params: dict[str, Any], defaults: dict[str, Any]) -> str:
 def ensure_model(kind: str, cache_root: Path | None = None, **params: Any) -> Path:
     """The absolute directory of the cached model ``kind`` with ``params``; built if absent.
 
-    ``kind`` is one of :data:`MODEL_KINDS` (``tokenizer``, ``random``, ``marker``). The
+    ``kind`` is one of :data:`MODEL_KINDS` (``tokenizer``, ``random``, ``marker``, ``lora-base``,
+    ``lora-marker``: a PEFT adapter directory for the ``lora-base`` of the same seed,
+    ``lora-merged``: that adapter merged into its base). The
     directory name hashes this module's source and the parameters, so editing a builder
     rebuilds; parameters equal to their defaults hash the same as omitted ones. The build runs
     in ``<cache_root>/.tmp-*`` and is renamed into place; a failed build removes its temp

@@ -29,7 +29,10 @@ class UpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: str = Field(
-        min_length=1, pattern="^/", description="absolute path of a safetensors directory"
+        min_length=1,
+        pattern="^/",
+        description="absolute path of a safetensors directory (a pool whose generations are "
+        "LoRA adapters: of a PEFT adapter directory)",
     )
     label: str | None = Field(
         default=None,

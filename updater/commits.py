@@ -47,7 +47,9 @@ class Commits:
         #: the step fails; bounded anyway by the lease's local deadline.
         self.store_retry_s = store_retry_s
 
-    async def commit(self, h: ReplicaHandle, event: Event, *, reason: str = "") -> None:
+    async def commit(
+        self, h: ReplicaHandle, event: Event, *, reason: str = "", publish: bool = True
+    ) -> None:
         """Advance the controller, then commit the same move in the store (fenced CAS).
 
         Raises :class:`LifecycleError` (nothing written) if the controller refuses, and
@@ -59,7 +61,9 @@ class Commits:
         (:class:`~pool.errors.NotReplicated`) counts only once the record, read back, is ours
         and the replicas are confirmed to hold it (:meth:`_settle`); until then nothing acts
         on it, and past ``store_retry_s`` NotReplicated is raised (the controller stays where
-        it was: a failover may still erase the write).
+        it was: a failover may still erase the write). A move into READY publishes its
+        generation if it is newer than the published one, unless ``publish`` is off (a LoRA
+        update publishes once all its replicas moved: :mod:`updater.lora`).
         """
         before = h.lc
         after = advance(before, event)
@@ -68,7 +72,7 @@ class Commits:
             kw.update(
                 generation=after.generation,
                 identity_digest=after.identity or "",
-                publish=True,
+                publish=publish,
                 process=after.process.encode() if after.process else None,
             )
         if after.state is S.DRAINING and after.target is not None:

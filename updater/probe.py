@@ -12,6 +12,7 @@ Imports torch lazily: ``updater`` itself does not need it.
 
 from __future__ import annotations
 
+import importlib
 import random
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,14 @@ def probe_from_checkpoint(checkpoint: Path, **kw: Any) -> tuple[list[int], list[
 
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     return probe_from_model(model, **kw)
+
+
+def probe_from_adapter(adapter: Path, base: Path, **kw: Any) -> tuple[list[int], list[int]]:
+    """Load the ``base`` model with transformers and the PEFT LoRA ``adapter`` onto it (float32,
+    CPU; needs the ``peft`` package), and compute the probe of the adapted model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    peft: Any = importlib.import_module("peft")
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    return probe_from_model(peft.PeftModel.from_pretrained(model, str(adapter)), **kw)

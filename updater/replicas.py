@@ -11,8 +11,10 @@ on one replica.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from pool.engine import VllmEngine
 from pool.records import ReplicaReport
@@ -67,4 +69,12 @@ async def bring_up(
     return await runner.bootstrap(m.handle, gen.generation, gen.identity, probe, checkpoint)
 
 
-__all__ = ["UNPLACED_URL", "ManagedReplica", "bring_up"]
+class Join(Protocol):
+    """How a fresh process is brought up on a generation (:func:`bring_up`'s signature)."""
+
+    def __call__(
+        self, m: ManagedReplica, gen: GenerationRecord, *, from_scratch: bool
+    ) -> Awaitable[object]: ...
+
+
+__all__ = ["UNPLACED_URL", "Join", "ManagedReplica", "bring_up"]

@@ -31,12 +31,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pool.checkpoint import read_manifest, vocab_size
+from pool.adapters import adapter_name
+from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
 from pool.errors import (
     EngineError,
     NotFound,
-    PreflightFailed,
     RolloutPoolError,
     StaleFencingToken,
     StoreConflict,
@@ -48,20 +48,20 @@ from pool.metrics import UpdaterMetrics
 from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord, UpdateState
 from pool.store import RedisStore, UpdaterLease
 from pool.types import Generation, GenerationRecord, ReplicaRecord, ReplicaState, WeightIdentity
-from updater import plan
+from updater import intake, plan
 from updater.api import UpdateRequest
 from updater.cycle import CycleError, CycleRunner, Probe, ReplicaHandle, UpdateTarget
 from updater.failover import EpochGate
+from updater.lora import LoraRollout
 from updater.pending import PendingUpdate, PendingUpdates, RecordSaver
 from updater.providers import registry as providers
 from updater.providers.base import ReplicaProvider
 from updater.records import Records, now_ms
-from updater.replicas import UNPLACED_URL, ManagedReplica, bring_up
+from updater.replicas import UNPLACED_URL, ManagedReplica
 from updater.settings import UpdaterSettings
 from updater.supervisor import WAITING_FOR_RESTART, Supervisor
 from updater.transports import registry as transports
 from updater.transports.base import Transport, WeightsTarget
-from updater.transports.preflight import check_provenance, check_weights
 
 log = logging.getLogger(__name__)
 S = ReplicaState
@@ -108,8 +108,21 @@ class Updater:
                 cfg.id, engine, read_manifest(cfg.model), provider_identity=identity
             )
             self.replicas[cfg.id] = ManagedReplica(cfg, handle)
+        #: A pool whose generations are LoRA adapters (``generations: lora``): its updates,
+        #: retiring and recovery (:mod:`updater.lora`); None for full-weight generations.
+        self.lora = (
+            LoraRollout(self.runner, self.replicas, max_staleness=settings.max_staleness)
+            if settings.generations == "lora"
+            else None
+        )
         self.supervisor = Supervisor(
-            settings, store, self.runner, self.replicas, self.provider, metrics
+            settings,
+            store,
+            self.runner,
+            self.replicas,
+            self.provider,
+            metrics,
+            join=None if self.lora is None else self.lora.bring_up,
         )
         self.pending = PendingUpdates()
         self._savers: dict[str, RecordSaver] = {}  # by update id, while it rolls
@@ -134,7 +147,21 @@ class Updater:
         await self._join_all()
         self._tasks.append(asyncio.create_task(self._worker(), name="worker"))
         self._tasks.append(asyncio.create_task(self.supervisor.run(), name="supervisor"))
+        if self.lora is not None:
+            self._tasks.append(asyncio.create_task(self._retire_loop(), name="retire"))
         self.ready.set()
+
+    async def _retire_loop(self) -> None:
+        """LoRA pools, every ``retire_interval_s``: bring READY replicas left behind up to the
+        published generation, and unload adapters nothing holds any more."""
+        assert self.lora is not None
+        while True:
+            await asyncio.sleep(self.settings.retire_interval_s)
+            try:
+                await self.lora.reconcile()
+                await self.lora.retire()
+            except RolloutPoolError as e:  # Redis away, the lease lost: next round
+                log.warning("reconciling or retiring adapters: %s", e)
 
     async def stop(self, *, stop_replicas: bool = True) -> None:
         """Stop acting and give the lease up. With ``stop_replicas``, the replicas this updater
@@ -311,9 +338,9 @@ class Updater:
         self, m: ManagedReplica, gen: GenerationRecord, *, from_scratch: bool
     ) -> None:
         try:
-            await bring_up(self.runner, m, gen, from_scratch=from_scratch)
+            await self.supervisor.join(m, gen, from_scratch=from_scratch)
             m.quarantined = False
-        except CycleError as e:
+        except RolloutPoolError as e:  # CycleError included: the replica is TAINTED
             log.error("replica %s failed to join: %s", m.id, e)
 
     async def _process(self, m: ManagedReplica) -> ProcessIdentity | None:
@@ -335,18 +362,18 @@ class Updater:
         """
         path = Path(req.checkpoint)
         first = next(iter(self.replicas.values()))
-        manifest = await asyncio.to_thread(read_manifest, path)  # PreflightFailed: refused
-        ident = WeightIdentity(
-            manifest_digest=manifest.digest,
-            checkpoint_uri=str(path),
-            trainer_run=req.trainer_run,
-            step=req.step,
-            content_hash=req.content_hash,
-        )
-        target = WeightsTarget(ident, path, first.handle.manifest)
-        check_weights(target, manifest)
-        await check_provenance(target, verify_content_hash=True)
-        await self._check_probe(path, req)
+        if self.lora is not None:
+            rank = self.settings.max_lora_rank
+            target = await intake.adapter_target(req, path, first.handle.manifest, rank)
+            await intake.check_probe(first.config.model, req)
+        else:
+            target = await intake.weights_target(req, path, first.handle.manifest)
+            await intake.check_probe(path, req)
+        return await self._submit(req, target)
+
+    async def _submit(self, req: UpdateRequest, target: WeightsTarget) -> UpdateRecord:
+        """Allocate the next generation number for a checked ``target`` and queue it."""
+        path, ident = target.path, target.identity
         number = await self._next_number()
         label = await self._free_label(req.label, number)
         gen = Generation(number=number, label=label)
@@ -363,18 +390,6 @@ class Updater:
         await self.store.save_update(rec)
         self.pending.add(PendingUpdate(rec, UpdateTarget(gen, ident, path, probe)))
         return rec
-
-    async def _check_probe(self, path: Path, req: UpdateRequest) -> None:
-        vocab = await asyncio.to_thread(vocab_size, path)
-        if vocab is None:
-            return
-        ids = req.probe.prompt_token_ids + req.probe.expected_token_ids
-        bad = sorted({t for t in ids if not 0 <= t < vocab})
-        if bad:
-            raise PreflightFailed(
-                f"probe token ids {bad[:5]} are outside the model's vocabulary (0..{vocab - 1})",
-                path=str(path),
-            )
 
     async def _free_label(self, label: str | None, number: int) -> str:
         """``label`` if no declared or queued generation has it (else StoreConflict); without
@@ -438,13 +453,17 @@ class Updater:
             checkpoint=str(target.path),
             probe_prompt=target.probe.prompt_token_ids,
             probe_expected=target.probe.expected,
+            adapter=(adapter_name(target.generation) or "") if self.lora is not None else "",
         )
         await self.store.declare_generation(gen_rec, self.lease.require())
         rec.state, rec.started_ms = UpdateState.RUNNING, now_ms()
         await self.records.save(rec)
         saver = self._savers[rec.id] = RecordSaver(rec, self.records.save)
         try:
-            await self._roll_replicas(rec, target, saver)
+            if self.lora is not None:
+                await self.lora.roll(rec, gen_rec)
+            else:
+                await self._roll_replicas(rec, target, saver)
         finally:
             del self._savers[rec.id]
             await saver.close()

@@ -5,6 +5,8 @@ Built once in ``__main__`` (or by the CLI) and passed down; nothing else reads t
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -85,6 +87,38 @@ class UpdaterSettings(BaseSettings):
                 raise ValueError(f"replica {r.id}: provider {self.provider} needs {missing}")
             if extra := sorted(given & forbidden):
                 raise ValueError(f"replica {r.id}: provider {self.provider} does not use {extra}")
+        return self
+
+    #: What a generation is: ``weights`` (every update replaces the model's weights, one
+    #: drained replica at a time) or ``lora`` (the base model is fixed and every update is a
+    #: PEFT LoRA adapter loaded beside the served ones on every replica, no drain:
+    #: :mod:`updater.lora`). ``lora`` needs every launched replica started with ``max_loras``
+    #: of at least ``max_staleness + 2`` and a ``max_lora_rank`` of at least this one's;
+    #: the routers must say the same (``RouterSettings.generations``).
+    generations: Literal["weights", "lora"] = "weights"
+    #: ``lora``: the highest adapter rank a push may have (checked before anything is loaded).
+    max_lora_rank: int = Field(default=16, ge=1)
+    #: ``lora``: how often adapters nothing holds any more are looked for and unloaded (s).
+    retire_interval_s: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _lora_replicas(self) -> UpdaterSettings:
+        if self.generations != "lora":
+            return self
+        for r in self.replicas:
+            spec = r.launch
+            if spec is None:
+                continue  # someone else starts it: its flags are theirs to set
+            if spec.max_loras is None or spec.max_loras < self.max_staleness + 2:
+                raise ValueError(
+                    f"replica {r.id}: generations=lora needs launch.max_loras >= "
+                    f"max_staleness + 2 = {self.max_staleness + 2} (got {spec.max_loras})"
+                )
+            if spec.max_lora_rank < self.max_lora_rank:
+                raise ValueError(
+                    f"replica {r.id}: launch.max_lora_rank {spec.max_lora_rank} is below "
+                    f"max_lora_rank {self.max_lora_rank}"
+                )
         return self
 
     max_unavailable: int = Field(default=1, ge=1)

@@ -40,6 +40,7 @@ no node has the resources for it); the next check tries again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -54,7 +55,7 @@ from pool.store.feed import PoolWatch
 from pool.types import ReplicaRecord, ReplicaState
 from updater.cycle import CycleRunner
 from updater.providers.base import ReplicaProvider
-from updater.replicas import ManagedReplica, bring_up
+from updater.replicas import Join, ManagedReplica, bring_up
 from updater.settings import UpdaterSettings
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,12 @@ class Supervisor:
         replicas: Mapping[str, ManagedReplica],
         provider: ReplicaProvider,
         metrics: UpdaterMetrics | None = None,
+        join: Join | None = None,
     ) -> None:
         self.settings = settings
+        #: Brings a fresh process up on a generation: :func:`updater.replicas.bring_up`, or in a
+        #: LoRA pool :meth:`updater.lora.LoraRollout.bring_up` (the base, then the adapters).
+        self.join: Join = join or functools.partial(bring_up, runner)
         self.store = store
         self.runner = runner
         self.replicas = replicas
@@ -294,7 +299,7 @@ class Supervisor:
                 latest = await self.store.latest()
                 assert latest is not None
                 gen = await self.store.generation_record(latest[0].number)
-                await bring_up(self.runner, m, gen, from_scratch=True)
+                await self.join(m, gen, from_scratch=True)
                 m.quarantined, m.cause = False, ""
                 result = "succeeded"
                 log.info("replica %s recovered in %.1fs", m.id, time.monotonic() - t0)

@@ -10,7 +10,8 @@ Modules: :mod:`pool.store.scripts` (the Lua), :mod:`pool.store.keys` (key names)
 :mod:`pool.store._reads` (records, bindings, the journal, counts),
 :mod:`pool.store.batch` (concurrent ADMIT/RELEASE calls share one round trip),
 :mod:`pool.store.connect` (standalone, Sentinel or Cluster clients), :mod:`pool.store.grants`
-(capacity routers hold in advance, batched provenance records), :mod:`pool.store.feed` (the
+(capacity routers hold in advance, batched provenance records), :mod:`pool.store.adapters`
+(publishing LoRA generations, what holds an adapter), :mod:`pool.store.feed` (the
 pool view kept current by a change feed), :mod:`pool.store.lease`
 (the updater lease, I8), :mod:`pool.store.failover` (the failover epoch, epoch-qualified
 fencing tokens, the router registry), :mod:`pool.store.terms` (what an admission binds: owner,
@@ -48,6 +49,7 @@ Keys (``{ns}`` = ``{rp}`` by default)::
                                replicated (``StoreClient.confirm_replicated``)
     {ns}:granted:<id>          hash: router id -> slots it holds in advance on the replica
                                (its grant, :mod:`pool.store.grants`; counted as active)
+    {ns}:granted:<id>:gen      hash: router id -> the generation its grant on the replica is on
     {ns}:version               hash: n (counter), v ("<n>:<server time us>"): the pool view's
                                version, moved by every replica change (:mod:`pool.store.feed`)
     {ns}:changes               pub/sub channel: "<version>:<replica id>" after every change

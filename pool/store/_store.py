@@ -22,6 +22,7 @@ from pool.records import UpdateRecord
 from pool.settings import StoreSettings
 from pool.store._client import ms
 from pool.store._reads import StoreReads
+from pool.store.adapters import Adapters
 from pool.store.connect import Clients
 from pool.store.failover import Failover, describe_token
 from pool.store.grants import Grants
@@ -62,6 +63,8 @@ class RedisStore(StoreReads):
         self.failover = Failover(self, self._clients.sentinel)
         #: Capacity routers hold in advance, batched records (:mod:`pool.store.grants`).
         self.grants = Grants(self, self.failover)
+        #: Publishing and retiring LoRA generations (:mod:`pool.store.adapters`).
+        self.adapters = Adapters(self)
 
     # ---------------------------------------------------------------- admission (routers)
 

@@ -10,7 +10,8 @@ from pool.store.scripts import PRELUDE
 # grant lives while its router's registration does (the failover guard's heartbeat): a dead
 # router's slots are reclaimed by whichever script next counts them (live_granted).
 # KEYS[1] replica hash  KEYS[2] active set  KEYS[3] the replica's grants  KEYS[4] routers zset
-# KEYS[5] latest
+# KEYS[5] latest  KEYS[6] the generation of each router's grant (set when a grant is given,
+# dropped when it is returned; pool.store.adapters reads it)
 # ARGV[1] router id  ARGV[2] replica id  ARGV[3] slots wanted  ARGV[4] max_staleness
 # Returns {'ok', slots, generation, label, identity} (slots may be fewer than wanted, at least 1)
 #         | {'returned'} | {'refused', reason, detail}
@@ -23,6 +24,7 @@ local r = redis.call('HMGET', KEYS[1], 'state', 'generation', 'label', 'identity
   'grants_aborted')
 if want <= 0 then
   redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('HDEL', KEYS[6], ARGV[1])
   return {'returned'}
 end
 local exp = tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0')
@@ -43,6 +45,7 @@ local used = redis.call('SCARD', KEYS[2]) + live_granted(KEYS[3], KEYS[4]) - own
 local slots = math.min(want, tonumber(r[5]) - used)
 if slots <= own then return {'refused', 'at_capacity', r[5]} end
 redis.call('HSET', KEYS[3], ARGV[1], slots)
+if own == 0 then redis.call('HSET', KEYS[6], ARGV[1], r[2]) end
 return {'ok', tostring(slots), r[2], r[3], r[4]}
 """
 )

@@ -106,7 +106,7 @@ class Grants:
         return (
             [k.replica(replica_id), k.active(replica_id), k.granted(replica_id), k.routers],
             [router_id, replica_id, slots, staleness],
-            k.latest,
+            [k.latest, k.grant_generations(replica_id)],
         )
 
     async def grant(
@@ -117,14 +117,14 @@ class Grants:
         ``at_capacity``, ``unregistered``: the router's registration is not alive, ...)."""
         if slots < 1:
             raise ValueError("a grant holds at least one slot; use give_back")
-        keys, args, latest = self._grant_call(router_id, replica_id, slots, max_staleness)
-        out = await self.store.run_script(self._grant, [*keys, latest], args)
+        keys, args, more = self._grant_call(router_id, replica_id, slots, max_staleness)
+        out = await self.store.run_script(self._grant, [*keys, *more], args)
         return _grant_of(replica_id, out)
 
     async def give_back(self, router_id: str, replica_id: str) -> None:
         """Return the router's grant on ``replica_id`` (idempotent)."""
-        keys, args, latest = self._grant_call(router_id, replica_id, 0, 0)
-        await self.store.run_script(self._grant, [*keys, latest], args)
+        keys, args, more = self._grant_call(router_id, replica_id, 0, 0)
+        await self.store.run_script(self._grant, [*keys, *more], args)
 
     async def abort(self, replica_id: str, reason: str) -> int:
         """Tell every router to cut what runs under its grant on ``replica_id`` and return it;

@@ -37,6 +37,9 @@ class Keys:
     def granted(self, rid: str) -> str:
         return f"{self.p}:granted:{rid}"
 
+    def grant_generations(self, rid: str) -> str:
+        return f"{self.p}:granted:{rid}:gen"
+
     def binding(self, rollout_id: str) -> str:
         return f"{self.p}:binding:{rollout_id}"
 

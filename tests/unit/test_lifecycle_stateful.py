@@ -14,7 +14,10 @@ invariants after every step:
 * I3  never READY on a new generation without a proving cache reset and validation since the
       drain (or a validated fresh bootstrap after recovery);
 * I4  an ambiguous failure never ends READY without a recovery;
-* controller state == store state for every replica; a stale fencing token never writes.
+* controller state == store state for every replica; a stale fencing token never writes;
+* LoRA generations: a READY replica moves to g+1 on proving AdapterEvidence with no drain (not
+  published until every replica that could moved), and the store's holds (what a retire must
+  keep loaded) always cover the generation of every active binding and live grant on it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from hypothesis.stateful import (
 
 from pool.errors import AdmissionRefused, LifecycleError, StaleFencingToken, StoreConflict
 from pool.evidence import (
+    AdapterEvidence,
     BootstrapEvidence,
     CacheResetEvidence,
     DrainEvidence,
@@ -91,6 +95,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.proofs: dict[str, set[str]] = {r: set() for r in REPLICAS}
         self.ambiguous: dict[str, bool] = dict.fromkeys(REPLICAS, False)
         self.granted: dict[str, int] = dict.fromkeys(REPLICAS, 0)
+        self.grant_gen: dict[str, int] = {}  # the generation each held grant was given on
+        self.bound: dict[str, int] = {}  # rollout id -> its binding's generation
         self.latest = 0
         self.n = 0
 
@@ -159,6 +165,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert expect_ok, f"I1: admitted on {rid} in {lc.state} g{lc.generation}"
         assert adm.generation == self.latest
         self.active[rid].add(ro)
+        self.bound[ro] = adm.generation
         return ro
 
     @rule(ro=consumes(rollouts))
@@ -187,12 +194,15 @@ class PoolMachine(RuleBasedStateMachine):
         assert g.slots == expect, f"I1: granted {g.slots} on {rid} in {lc.state}"
         if slots > own:
             assert admissible and g.generation == self.latest
+        if own == 0:
+            self.grant_gen[rid] = g.generation
         self.granted[rid] = g.slots
 
     @rule(rid=st.sampled_from(REPLICAS))
     def give_back(self, rid: str) -> None:
         self.run(self.store.grants.give_back(ROUTER, rid))
         self.granted[rid] = 0
+        self.grant_gen.pop(rid, None)
 
     # ------------------------------------------------------------------ control plane
 
@@ -206,6 +216,32 @@ class PoolMachine(RuleBasedStateMachine):
         self.run(self.store.declare_generation(rec, self.token))
         if self.commit(rid, DrainRequested(self.gen(n), ident(n))):
             self.proofs[rid] = set()
+
+    @rule(proven=st.booleans())
+    def adapter_update(self, proven: bool) -> None:
+        """A LoRA generation: every READY replica on the latest loads it beside, and moves to it
+        on proving evidence (no drain; bindings on the old one go on); then it is published."""
+        n = self.latest + 1
+        g = self.gen(n)
+        rec = GenerationRecord(  # as request_update declares it: either may come first
+            generation=g,
+            identity=WeightIdentity(manifest_digest="sha256:m", checkpoint_uri=f"/c/{n}", step=n),
+        )
+        self.run(self.store.declare_generation(rec, self.token))
+        name = f"rp-{n}-{g.label}"
+        ev = AdapterEvidence(g, ident(n), name, True, PROBE, PROBE if proven else (0,), name)
+        moved = [
+            rid
+            for rid in REPLICAS
+            if self.lc[rid].state is S.READY and self.commit(rid, ev, publish=False)
+        ]
+        assert proven or not moved, "AdapterEvidence that proves nothing moved a replica"
+        self.latest = n - 1  # not published yet (commit() counted it)
+        for rid in moved:
+            assert self.active[rid] <= set(self.bound), "bindings survive the move"
+        if moved:
+            assert self.run(self.store.adapters.publish(g, ident(n), self.token))
+            self.latest = n
 
     @rule(rid=st.sampled_from(REPLICAS), paused=st.booleans())
     def observe_drain(self, rid: str, paused: bool) -> None:
@@ -318,6 +354,19 @@ class PoolMachine(RuleBasedStateMachine):
                 assert rec.busy == 0, f"I2: {rec.replica_id} {rec.state} with active bindings"
             if self.ambiguous[rec.replica_id]:
                 assert rec.state is not S.READY, "I4: READY after an ambiguous failure"
+
+    @invariant()
+    def holds_cover_what_runs(self) -> None:
+        """What may still run on a replica (a retire must keep its adapter loaded)."""
+        if not hasattr(self, "token"):
+            return
+        for rid in REPLICAS:
+            holds = self.run(self.store.adapters.holds(rid))
+            assert holds is not None
+            running = {self.bound[ro] for ro in self.active[rid]}
+            if self.granted[rid]:
+                running.add(self.grant_gen[rid])
+            assert holds == running, f"{rid}: holds {holds}, running {running}"
 
     @invariant()
     def no_admission_while_closed(self) -> None:

@@ -1,0 +1,65 @@
+"""``python -m bench.lora``: LoRA generations (:mod:`testkit.scenarios.lora`) on 2 real vLLM CPU
+replicas, then the same policies as merged full-weight pushes to replicas of the same base (a
+rolling, drained update each); writes ``bench/results/lora.json``.
+
+Top-level fields: ``updates``, ``throughput_through_updates_over_steady``,
+``push_to_all_admitting_s`` (the worst push), ``cross_generation``,
+``stale_prefix_hits_across_adapters`` (all of the LoRA run) and
+``full_weight_throughput_over_steady`` (the full-weight run); ``lora`` and ``full_weight``
+hold both runs whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench._meta import write
+from testkit.scenarios.lora import Params, scenario
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument("--gap-s", type=float, default=2.0, help="seconds between pushes")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--no-full-weight", action="store_true", help="skip the comparison run")
+    args = ap.parse_args()
+    runs: dict[str, Any] = {}
+    for mode in ("lora",) if args.no_full_weight else ("lora", "weights"):
+        p = Params(
+            mode=mode,
+            updates=args.updates,
+            gap_s=args.gap_s,
+            steady_s=args.updates * args.gap_s,  # the two phases are equally long
+            concurrency=args.concurrency,
+        )
+        with tempfile.TemporaryDirectory(prefix=f"lora-{mode}-") as d:
+            runs[mode] = asyncio.run(scenario(p, Path(d)))
+        print(mode, {k: v for k, v in runs[mode].items() if not isinstance(v, dict | list)})
+    lora = runs["lora"]
+    full = runs.get("weights")
+    result = {
+        "updates": lora["updates"],
+        "throughput_through_updates_over_steady": lora["throughput_through_updates_over_steady"],
+        "push_to_all_admitting_s": lora["push_to_all_admitting_s"],
+        "cross_generation": lora["cross_generation"] + (full["cross_generation"] if full else 0),
+        "stale_prefix_hits_across_adapters": lora["stale_prefix_hits_across_adapters"],
+        "full_weight_throughput_over_steady": (
+            full["throughput_through_updates_over_steady"] if full else None
+        ),
+        "full_weight_push_to_all_admitting_s": full["push_to_all_admitting_s"] if full else None,
+        "min_admitting_replicas": lora["min_admitting_replicas"],
+        "full_weight_min_admitting_replicas": full["min_admitting_replicas"] if full else None,
+        "lora": lora,
+        "full_weight": full,
+    }
+    write("lora", result)
+    print({k: v for k, v in result.items() if not isinstance(v, dict)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""LoRA generations without vLLM: the adapter preflight, the READY -> READY move, the store's
+publish and holds (real Redis), the router's model rewrite and answer check, and the updater's
+roll and retire against engines whose HTTP layer is ``httpx.MockTransport`` (they record every
+call and hold adapters as vLLM does). The same on real vLLM CPU: tests/integration/test_lora.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from pool.adapters import adapter_name, read_adapter, served_model
+from pool.checkpoint import read_manifest
+from pool.engine import Capabilities, VllmEngine
+from pool.errors import IllegalTransition, PostconditionFailed, PreflightFailed, StaleFencingToken
+from pool.evidence import AdapterEvidence, ProcessIdentity
+from pool.lifecycle import Lifecycle, advance
+from pool.records import ReplicaOutcome, UpdateRecord, UpdateState
+from pool.store import RedisStore
+from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
+from router.provenance import check_response
+from router.proxy import upstream_body
+from router.upstream import ReplicaInfo
+from testkit.models import ensure_model
+from updater.config import ReplicaConfig
+from updater.cycle import CycleRunner, ReplicaHandle
+from updater.lora import LoraRollout
+from updater.replicas import ManagedReplica
+from updater.transports.reload import ReloadTransport
+
+S = ReplicaState
+G0, G1, G2 = (Generation(number=n, label=f"g{n}") for n in range(3))
+BASE = ensure_model("random", seed=1)
+MANIFEST = read_manifest(BASE)
+O_PROJ = "base_model.model.model.layers.{}.self_attn.o_proj.lora_{}.weight"
+
+
+def write_adapter(path: Path, *, rank: int = 8, a_in: int = 128, **config: Any) -> Path:
+    """A PEFT adapter directory for the tiny model's ``o_proj`` (128 x 128)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for layer in (0, 1):
+        tensors[O_PROJ.format(layer, "A")] = np.zeros((rank, a_in), dtype=np.float32)
+        tensors[O_PROJ.format(layer, "B")] = np.zeros((128, rank), dtype=np.float32)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["o_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    return path
+
+
+# ------------------------------------------------------------------ preflight
+
+
+def test_an_adapter_that_fits_the_base_passes(tmp_path: Path) -> None:
+    info = read_adapter(write_adapter(tmp_path / "a"), MANIFEST, max_rank=16)
+    assert info.rank == 8 and info.modules == (
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.o_proj",
+    )
+    assert info.manifest.digest.startswith("sha256:")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 32}, "rank 32 is above the replicas' max_lora_rank 16"),
+        ({"a_in": 64}, "do not fit the base module [128, 128]"),
+        ({"use_dora": True}, "use_dora is set"),
+        ({"peft_type": "IA3"}, "only LORA is served"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"r": "8"}, "'r' must be a positive integer"),
+    ],
+)
+def test_an_adapter_that_does_not_fit_is_refused_with_the_reason(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    """vLLM 0.32 loads a narrower lora_A without complaint and serves garbage (observed on CPU):
+    the preflight is what refuses it."""
+    with pytest.raises(PreflightFailed, match=message.replace("[", r"\[").replace("]", r"\]")):
+        read_adapter(write_adapter(tmp_path / "a", **kwargs), MANIFEST, max_rank=16)
+
+
+def test_files_that_are_not_an_adapter_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(PreflightFailed, match=r"no adapter_config\.json"):
+        read_adapter(tmp_path, MANIFEST, max_rank=16)
+    full = write_adapter(tmp_path / "full")  # a full checkpoint's tensor under the adapter name
+    save_file(
+        {"model.norm.weight": np.ones(128, np.float32)}, str(full / "adapter_model.safetensors")
+    )
+    with pytest.raises(PreflightFailed, match="not a LoRA factor"):
+        read_adapter(full, MANIFEST, max_rank=16)
+    other = write_adapter(tmp_path / "unknown")
+    save_file(
+        {
+            "base_model.model.model.layers.0.mlp.zz.lora_A.weight": np.zeros((8, 4), np.float32),
+            "base_model.model.model.layers.0.mlp.zz.lora_B.weight": np.zeros((4, 8), np.float32),
+        },
+        str(other / "adapter_model.safetensors"),
+    )
+    with pytest.raises(PreflightFailed, match="is not a linear module of the base model"):
+        read_adapter(other, MANIFEST, max_rank=16)
+
+
+def test_adapter_names() -> None:
+    assert adapter_name(G0) is None and served_model(G0, "/m") == "/m"
+    assert adapter_name(Generation(number=7, label="step-700")) == "rp-7-step-700"
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def evidence(gen: Generation, **kw: Any) -> AdapterEvidence:
+    name = adapter_name(gen) or ""
+    base: dict[str, Any] = {
+        "generation": gen,
+        "identity_digest": f"id{gen.number}",
+        "adapter": name,
+        "listed": True,
+        "probe_expected": (5, 5),
+        "probe_actual": (5, 5),
+        "answered_model": name,
+        "process": "p",
+    }
+    return AdapterEvidence(**{**base, **kw})
+
+
+def test_a_validated_adapter_moves_ready_to_ready_on_the_newer_generation() -> None:
+    lc = Lifecycle(S.READY, G1, "id1", process=ProcessIdentity("p"))
+    after = advance(lc, evidence(G2))
+    assert (after.state, after.generation, after.identity) == (S.READY, G2, "id2")
+    assert after.process == lc.process
+
+
+@pytest.mark.parametrize(
+    ("ev", "why"),
+    [
+        (evidence(G1), "not newer"),
+        (evidence(G2, probe_actual=(5, 6)), "probe"),
+        (evidence(G2, answered_model="rp-1-g1"), "answered_model"),
+        (evidence(G2, listed=False), "listed=False"),
+        (evidence(G2, process="q"), "server process changed"),
+    ],
+)
+def test_adapter_evidence_that_does_not_prove_it_is_refused(ev: AdapterEvidence, why: str) -> None:
+    lc = Lifecycle(S.READY, G1, "id1", process=ProcessIdentity("p"))
+    with pytest.raises(PostconditionFailed, match=why):
+        advance(lc, ev)
+
+
+def test_an_adapter_joins_only_a_ready_replica() -> None:
+    with pytest.raises(IllegalTransition):
+        advance(Lifecycle(S.DRAINING, G1, "id1"), evidence(G2))
+
+
+# ------------------------------------------------------------------ store (real Redis)
+
+
+async def test_publish_is_fenced_and_only_moves_forward(store: RedisStore) -> None:
+    lease = store.updater_lease("test")
+    token = await lease.acquire()
+    assert await store.adapters.publish(G1, "id1", token)
+    assert not await store.adapters.publish(G1, "id1", token)
+    latest = await store.latest()
+    assert latest is not None and latest[0] == G1
+    with pytest.raises(StaleFencingToken):
+        await store.adapters.publish(G2, "id2", token + 1)
+
+
+async def test_holds_counts_bindings_and_live_grants_on_their_generation(
+    store: RedisStore,
+) -> None:
+    """What may still run g on a replica: a binding on g, a live router's grant given on g. A
+    replica moved on to g+1 hands out neither on g any more."""
+    lease = store.updater_lease("test")
+    token = await lease.acquire()
+    await store.register_replica("r0", "http://r0", token)
+    await store.transition(
+        "r0", token, S.UNINITIALIZED, S.READY, generation=G1, identity_digest="id1", publish=True
+    )
+    assert await store.adapters.holds("r0") == set()
+    await store.admit("ro-1", "r0")
+    await store.failover.heartbeat("router-a", 1, 30)
+    grant = await store.grants.grant("router-a", "r0", 2, max_staleness=0)
+    assert grant.generation == 1
+    await store.transition(
+        "r0", token, S.READY, S.READY, generation=G2, identity_digest="id2", publish=False
+    )
+    await store.admit("ro-2", "r0")  # binds the record's generation: g2
+    assert await store.adapters.holds("r0") == {1, 2}
+    await store.release("ro-1", "r0")
+    assert await store.adapters.holds("r0") == {1, 2}  # the grant on g1 still runs
+    await store.grants.give_back("router-a", "r0")
+    assert await store.adapters.holds("r0") == {2}
+
+
+# ------------------------------------------------------------------ router
+
+
+def test_the_router_sends_the_bound_adapter_and_checks_the_answer_names_it() -> None:
+    info = ReplicaInfo("/models/base", Capabilities.from_version("0.32.0"))
+    body = {"model": "rolloutpool", "prompt": "x"}
+    out = upstream_body(body, "/v1/completions", "g2", "rp-2-g2", info, False)
+    assert out["model"] == "rp-2-g2" and out["cache_salt"] == "g2"
+    assert check_response({"model": "rp-2-g2", "choices": []}, "g2", "rp-2-g2") is None
+    verdict = check_response({"model": "rp-1-g1", "choices": []}, "g2", "rp-2-g2")
+    assert verdict is not None and "'rp-1-g1'" in verdict and "'rp-2-g2'" in verdict
+    assert check_response({"model": "other", "choices": []}, "g2") is None  # weights: unchecked
+
+
+# ------------------------------------------------------------------ the updater's roll
+
+
+class FakeLoraServer:
+    """A vLLM 0.32 server with LoRA: holds adapters by name; each answers its marker."""
+
+    def __init__(
+        self, load_status: int = 200, listed_after_failure: bool = False, broken: bool = False
+    ) -> None:
+        self.adapters: dict[str, str] = {}
+        self.calls: list[str] = []
+        self.load_status = load_status
+        self.listed_after_failure = listed_after_failure
+        self.broken = broken  # a failed load leaves the base answering something else
+        self.failed = False
+        self.engine = VllmEngine(
+            "http://vllm.test", timeout=2.0, transport=httpx.MockTransport(self.handle)
+        )
+
+    @staticmethod
+    def marker(model: str) -> int:
+        return 100 + int(model.split("-")[1]) if model.startswith("rp-") else 100
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = json.loads(request.content) if request.content else {}
+        self.calls.append(f"{path} {body.get('lora_name', '')}".strip())
+        if path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        if path == "/v1/models":
+            data = [{"id": "base", "parent": None}]
+            data += [{"id": n, "parent": "base", "root": p} for n, p in self.adapters.items()]
+            return httpx.Response(200, json={"data": data})
+        if path == "/v1/load_lora_adapter":
+            if self.load_status != 200:
+                self.failed = True
+                if self.listed_after_failure:
+                    self.adapters[body["lora_name"]] = body["lora_path"]
+                return httpx.Response(self.load_status, json={"error": {"message": "no"}})
+            self.adapters[body["lora_name"]] = body["lora_path"]
+            return httpx.Response(200, text="Success")
+        if path == "/v1/unload_lora_adapter":
+            if self.adapters.pop(body["lora_name"], None) is None:
+                return httpx.Response(404, json={"error": {"message": "cannot be found"}})
+            return httpx.Response(200, text="Success")
+        if path == "/v1/completions":
+            model = body["model"]
+            if model != "base" and model not in self.adapters:
+                return httpx.Response(404, json={"error": {"message": "no such model"}})
+            ids = [self.marker(model) + int(self.broken and self.failed)] * body["max_tokens"]
+            return httpx.Response(200, json={"model": model, "choices": [{"token_ids": ids}]})
+        if path == "/metrics":
+            return httpx.Response(200, text="vllm:num_requests_running 0\n")
+        return httpx.Response(404, json={"error": path})
+
+
+def gen_record(gen: Generation) -> GenerationRecord:
+    marker = FakeLoraServer.marker(adapter_name(gen) or "base")
+    return GenerationRecord(
+        generation=gen,
+        identity=WeightIdentity(manifest_digest="m", checkpoint_uri=f"/adapters/{gen.number}"),
+        checkpoint=f"/adapters/{gen.number}",
+        probe_prompt=(1, 2),
+        probe_expected=(marker, marker),
+        adapter=adapter_name(gen) or "",
+    )
+
+
+async def lora_pool(
+    store: RedisStore, servers: dict[str, FakeLoraServer]
+) -> tuple[LoraRollout, dict[str, ManagedReplica]]:
+    lease = store.updater_lease("test")
+    token = await lease.acquire()
+    await store.declare_generation(gen_record(G0), token)
+    runner = CycleRunner(store, lease, ReloadTransport())
+    replicas = {}
+    for rid, server in servers.items():
+        await store.register_replica(rid, "http://vllm.test", token)
+        await store.transition(
+            rid,
+            token,
+            S.UNINITIALIZED,
+            S.READY,
+            generation=G0,
+            identity_digest=gen_record(G0).identity.digest,
+            publish=True,
+        )
+        await server.engine.bootstrap()
+        handle = ReplicaHandle(
+            rid, server.engine, MANIFEST, Lifecycle(S.READY, G0, gen_record(G0).identity.digest)
+        )
+        replicas[rid] = ManagedReplica(ReplicaConfig(id=rid, model=BASE, url="http://x"), handle)
+    return LoraRollout(runner, replicas, max_staleness=0), replicas
+
+
+async def roll(lora: LoraRollout, store: RedisStore, gen: Generation) -> UpdateRecord:
+    rec = UpdateRecord(
+        id=f"up-{gen.number}",
+        state=UpdateState.RUNNING,
+        generation=gen.number,
+        label=gen.label,
+        checkpoint="",
+        identity_digest="",
+        created_ms=0,
+    )
+    await store.declare_generation(gen_record(gen), lora.runner.lease.require())
+    await lora.roll(rec, gen_record(gen))
+    return rec
+
+
+async def test_a_roll_loads_beside_validates_admits_publishes_and_retires(
+    store: RedisStore,
+) -> None:
+    servers = {"r0": FakeLoraServer(), "r1": FakeLoraServer()}
+    lora, _ = await lora_pool(store, servers)
+    rec = await roll(lora, store, G1)
+    assert not rec.error and all(r.outcome == "ready" for r in rec.replicas.values())
+    latest = await store.latest()
+    assert latest is not None and latest[0] == G1
+    assert {r.generation for r in await store.replicas()} == {1}
+    await store.admit("ro-held", "r0")  # a rollout on g1 on r0
+    rec = await roll(lora, store, G2)
+    assert not rec.error
+    # g1 stays where a rollout holds it, goes where nothing does
+    assert set(servers["r0"].adapters) == {"rp-1-g1", "rp-2-g2"}
+    assert set(servers["r1"].adapters) == {"rp-2-g2"}
+    await store.release("ro-held", "r0")
+    assert await lora.retire() == {"r0": ["rp-1-g1"], "r1": []}
+    assert set(servers["r0"].adapters) == {"rp-2-g2"}
+    # the order on each replica: listed, loaded, probed through the adapter, then admitted
+    calls = servers["r1"].calls
+    assert calls.index("/v1/load_lora_adapter rp-1-g1") < calls.index("/v1/completions")
+
+
+async def test_a_refused_load_leaves_the_replica_serving_its_generation(
+    store: RedisStore,
+) -> None:
+    servers = {"r0": FakeLoraServer(), "r1": FakeLoraServer(load_status=500)}
+    lora, replicas = await lora_pool(store, servers)
+    rec = await roll(lora, store, G1)
+    assert rec.replicas["r0"].outcome is ReplicaOutcome.READY
+    assert rec.replicas["r1"].outcome is ReplicaOutcome.REFUSED, rec.replicas["r1"]
+    r1 = await store.replica("r1")
+    assert (r1.state, r1.generation) == (S.READY, 0)  # g0 serves on; not admitting g1
+    assert replicas["r1"].handle.lc.state is S.READY
+    latest = await store.latest()
+    assert latest is not None and latest[0] == G1  # r0 proved it
+
+
+async def test_a_failed_load_vllm_lists_anyway_is_unloaded_and_refused(store: RedisStore) -> None:
+    """vLLM answers 500 but lists the adapter: it is unloaded again, and with g0's probe still
+    passing the replica stays READY on g0, not admitting g1; nothing is published."""
+    servers = {"r0": FakeLoraServer(load_status=500, listed_after_failure=True)}
+    lora, _ = await lora_pool(store, servers)
+    rec = await roll(lora, store, G1)
+    assert rec.replicas["r0"].outcome is ReplicaOutcome.REFUSED
+    assert servers["r0"].adapters == {}
+    assert "/v1/unload_lora_adapter rp-1-g1" in servers["r0"].calls
+    assert rec.error is not None and "no replica admitted" in rec.error
+    latest = await store.latest()
+    assert latest is not None and latest[0] == G0
+
+
+async def test_a_failed_load_after_which_the_replica_answers_otherwise_taints(
+    store: RedisStore,
+) -> None:
+    servers = {"r0": FakeLoraServer(load_status=500, broken=True)}
+    lora, _ = await lora_pool(store, servers)
+    rec = await roll(lora, store, G1)
+    assert rec.replicas["r0"].outcome is ReplicaOutcome.TAINTED
+    assert "g0's own probe now fails" in rec.replicas["r0"].reason
+    assert (await store.replica("r0")).state is S.TAINTED
+    latest = await store.latest()
+    assert latest is not None and latest[0] == G0
+
+
+async def test_a_replica_left_behind_is_brought_up_to_the_published_generation(
+    store: RedisStore,
+) -> None:
+    servers = {"r0": FakeLoraServer(), "r1": FakeLoraServer(load_status=500)}
+    lora, _ = await lora_pool(store, servers)
+    await roll(lora, store, G1)
+    assert (await store.replica("r1")).generation == 0  # refused: left behind
+    servers["r1"].load_status = 200  # whatever failed is gone
+    await lora.reconcile()
+    r1 = await store.replica("r1")
+    assert (r1.state, r1.generation) == (S.READY, 1)
+    assert set(servers["r1"].adapters) == {"rp-1-g1"}
+    servers["r0"].calls.clear()
+    await lora.reconcile()  # nothing left behind: no engine call
+    assert servers["r0"].calls == []
