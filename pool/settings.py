@@ -77,8 +77,8 @@ class StoreSettings(BaseSettings):
     #: kept ``binding_retention_s`` (about 0.5 KB each), the journal keeps its newest
     #: ``journal_maxlen`` entries (two per rollout, about 0.13 KB each) and at most
     #: ``update_records_max`` update records and the newest ``generation_records_max``
-    #: declared generations (with their labels) are kept; per-generation counts are kept for
-    #: good.
+    #: declared generations (with their labels; and g0's record, the base a LoRA pool's
+    #: replicas are recovered on) are kept; per-generation counts are kept for good.
     binding_retention_s: float = Field(default=600.0, gt=0)
     journal_maxlen: int = Field(default=100_000, ge=1000)
     update_records_max: int = Field(default=1000, ge=10)

@@ -15,7 +15,7 @@ admitted beside it. An update, on every READY replica at once::
               ``model``, the process unchanged since bootstrap -> AdapterEvidence; evidence
               that does not prove the adapter: it is unloaded and the replica judged as above
     admit     READY(g) -> READY(g+1) (fenced CAS, not published), for every replica that
-              validated; then g+1 is published once (:meth:`pool.store.Adapters.publish`)
+              validated; then g+1 is published once (:meth:`pool.store.adapters.Adapters.publish`)
 
 No replica stops admitting: one on g+1 is admissible while g is still the latest, and g is not
 admissible only once g+1 is published. If no replica validated, nothing is published and the
@@ -24,7 +24,7 @@ update fails.
 **Retiring** (:meth:`LoraRollout.retire`, after every update and every ``retire_interval_s``): an
 adapter ``rp-<n>-...`` on a replica is unloaded once ``n`` is below ``latest - max_staleness``,
 below the replica's own generation, and nothing on that replica holds it (no active binding, no
-live router grant on it: :meth:`pool.store.Adapters.holds`); vLLM's answer is checked (200
+live router grant on it: :meth:`pool.store.adapters.Adapters.holds`); vLLM's answer is checked (200
 removed, 404 already gone). Adapter slots: a replica is launched with ``max_loras`` of at least
 ``max_staleness + 2`` (the admissible generations, one held by a finishing rollout, the new one);
 vLLM swaps more from their files if it must, slower but correct.
@@ -35,8 +35,8 @@ generation was published, is brought up to the published one by :meth:`LoraRollo
 
 **Recovery** (I6) of a LoRA replica: a fresh process is brought up on the base model (g0's
 record, loaded from scratch and validated as any bootstrap), then :meth:`LoraRollout.catch_up`
-loads the live generations' adapters (``latest - max_staleness`` .. ``latest``) and admits the
-newest, each validated as in an update.
+loads the live generations' adapters (``latest - max_staleness`` .. ``latest``), admitting
+each in turn once validated as in an update.
 
 Concurrency: one instance per updater; each replica's steps run under its ``ManagedReplica``
 lock, so they never overlap a recovery of that replica.

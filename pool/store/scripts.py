@@ -246,7 +246,8 @@ return {'ok', s}
 # label is unique among declared generations: the span check and cache_salt rely on it).
 # KEYS[1] generations  KEYS[2] updater lease  KEYS[3] latest  KEYS[4] journal  KEYS[5] labels
 # ARGV[1] number  ARGV[2] record JSON  ARGV[3] fencing token  ARGV[4] journal maxlen
-# ARGV[5] label  ARGV[6] records kept (the newest: older numbers and their labels go)
+# ARGV[5] label  ARGV[6] records kept (the newest: older numbers and their labels go; g0's
+# record stays: it is the base model a LoRA pool's replicas are recovered on)
 # Returns {'ok'} | {'exists'} (same record) | {'conflict', json} | {'stale_token', holder}
 #         | {'not_newer', latest} | {'label_taken', number}
 DECLARE = (
@@ -270,7 +271,7 @@ local keep = tonumber(ARGV[6])
 if redis.call('HLEN', KEYS[1]) > keep then
   local cutoff = tonumber(ARGV[1]) - keep
   for _, n in ipairs(redis.call('HKEYS', KEYS[1])) do
-    if tonumber(n) <= cutoff then redis.call('HDEL', KEYS[1], n) end
+    if tonumber(n) <= cutoff and n ~= '0' then redis.call('HDEL', KEYS[1], n) end
   end
   local labels = redis.call('HGETALL', KEYS[5])
   for i = 1, #labels, 2 do

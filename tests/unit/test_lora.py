@@ -18,7 +18,13 @@ from safetensors.numpy import save_file
 from pool.adapters import adapter_name, read_adapter, served_model
 from pool.checkpoint import read_manifest
 from pool.engine import Capabilities, VllmEngine
-from pool.errors import IllegalTransition, PostconditionFailed, PreflightFailed, StaleFencingToken
+from pool.errors import (
+    IllegalTransition,
+    NotFound,
+    PostconditionFailed,
+    PreflightFailed,
+    StaleFencingToken,
+)
 from pool.evidence import AdapterEvidence, ProcessIdentity
 from pool.lifecycle import Lifecycle, advance
 from pool.records import ReplicaOutcome, UpdateRecord, UpdateState
@@ -404,3 +410,17 @@ async def test_a_replica_left_behind_is_brought_up_to_the_published_generation(
     servers["r0"].calls.clear()
     await lora.reconcile()  # nothing left behind: no engine call
     assert servers["r0"].calls == []
+
+
+async def test_the_base_generations_record_outlives_pruning(store: RedisStore) -> None:
+    """A LoRA replica is recovered on g0's record (the base), however many generations came
+    after: pruning keeps the newest ``generation_records_max`` records and g0's."""
+    lease = store.updater_lease("test")
+    token = await lease.acquire()
+    keep = store.settings.generation_records_max
+    for n in range(keep + 3):
+        await store.declare_generation(gen_record(Generation(number=n, label=f"g{n}")), token)
+    assert (await store.generation_record(0)).generation == G0
+    with pytest.raises(NotFound):
+        await store.generation_record(1)
+    assert (await store.generation_record(keep + 2)).generation.number == keep + 2

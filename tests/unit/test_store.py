@@ -543,7 +543,7 @@ async def test_declared_generations_are_trimmed_to_the_newest(
             ident = WeightIdentity(manifest_digest="m", checkpoint_uri=f"/c/{n}")
             await store.declare_generation(GenerationRecord(generation=gen, identity=ident), token)
         numbers = [r.generation.number for r in await store.generation_records()]
-        assert numbers == list(range(15, 25))
+        assert numbers == [0, *range(15, 25)]  # and g0's: a LoRA pool's base
         assert await store.newest_declared() == 24
         assert await store.label_owner("step-14") is None
         assert await store.label_owner("step-15") == 15
