@@ -72,10 +72,12 @@ async def start_replicas(
     name: str = "router-itest",
     startup_timeout_s: float = 420.0,
     env: Mapping[str, str] | None = None,
+    max_model_len: int = 512,
 ) -> list[LocalReplica]:
     """Start ``n`` replicas concurrently (core ``i % 2`` each); all or nothing.
 
-    ``env`` is added to each server's environment. If any replica fails to start, the others
+    ``env`` is added to each server's environment; ``max_model_len`` is each server's context
+    (the tiny models have 4096 positions). If any replica fails to start, the others
     are stopped and the error is raised.
     """
     replicas = [
@@ -88,6 +90,7 @@ async def start_replicas(
                 work_dir=work_root / f"replica-{i}",
                 startup_timeout_s=startup_timeout_s,
                 env=dict(env or {}),
+                max_model_len=max_model_len,
             )
         )
         for i in range(n)

@@ -1,8 +1,9 @@
 """Tiny test models, built offline and deterministically (no hub, no download).
 
 Every model is a ``LlamaForCausalLM`` with 2 layers, hidden 128, 2 heads of dim 64, MLP 256,
-vocab 2048, untied embeddings, 512 positions, ``bos=0 eos=1 pad=2`` (about 0.85 M parameters,
-3.4 MB in float32), plus one shared byte-level BPE tokenizer trained locally on generated text.
+vocab 2048, untied embeddings, 4096 positions (replicas serve 512 unless they ask for more),
+``bos=0 eos=1 pad=2`` (about 0.85 M parameters, 3.4 MB in float32), plus one shared byte-level
+BPE tokenizer trained locally on generated text.
 
 Builders (each writes a complete Hugging Face model directory that ``vllm serve`` loads):
 
@@ -66,7 +67,7 @@ LAYERS = 2
 HEADS = 2
 HEAD_DIM = 64
 INTERMEDIATE = 256
-MAX_POSITIONS = 512
+MAX_POSITIONS = 4096
 BOS, EOS, PAD = 0, 1, 2
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 INIT_STD = 0.2

@@ -16,8 +16,9 @@ for the marker checkpoint, whose output is known (every token is its marker). Wa
 driven. Checks that need requests still running when a control call lands do not trust what the
 client has seen (on a saturated host it reads tokens long after the server made them): they
 freeze the requests with a ``keep`` pause, read from the server that it holds them, and retry
-when it does not (:func:`freeze`). The stand-in runs at 400 tokens/s per request, so a
-480-token request lasts about as long as on the real server. Each test leaves the server
+when it does not (:func:`freeze`). Both servers get a 2048-token context, so a "long" request
+runs for seconds (see :data:`MANY`); the stand-in runs at 400 tokens/s per request, so it lasts
+about as long as on the real server. Each test leaves the server
 resumed and idle on A's weights with its original label.
 """
 
@@ -45,13 +46,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 P = [0, *range(300, 316)]  # 17 prompt tokens
 LONG = [0, *[(i * 37) % 1700 + 300 for i in range(299)]]  # 300 tokens: two full KV blocks
-MANY = 480  # tokens of a "long" request (the context is 512)
+CONTEXT = 2048  # both servers' max_model_len (the tiny models have 4096 positions)
+#: Tokens of a "long" request. The margin is derived from what was measured: with both cores
+#: saturated, vLLM's API server answers a control call up to ~2 s late while its engine goes on,
+#: and 480-token requests (~1.5 s on an idle host, the most a 512-token context allowed) ended
+#: before the control call in every one of 20 attempts under outside load. 2000 tokens run for
+#: ~6 s on an idle host and longer on a loaded one (the engine slows with the API server), three
+#: times the worst lag measured.
+MANY = 2000
 STANDIN_TOKENS_PER_S = 400.0
-#: A check that needs requests still running when a control call lands retries this often
-#: (:func:`freeze` reads from the server whether they were). A 480-token request runs for ~1.5 s;
-#: with both cores saturated, vLLM's API server answers a control call up to ~2 s late while its
-#: engine goes on, and about half the attempts miss (measured: 7 of 12, at most 4 in a row).
-#: Attempts are independent: 20 make a spurious failure about one in a million per check.
+#: A check that needs requests still running when a control call lands still reads from the
+#: server whether they were (:func:`freeze`), and retries with fresh requests when they were not.
 ATTEMPTS = 20
 TOO_SLOW = (
     f"in {ATTEMPTS} attempts, the requests always ended before the control call reached the "
@@ -115,14 +120,18 @@ async def server(
 ) -> AsyncIterator[Server]:
     if request.param == "vllm":
         work = tmp_path_factory.mktemp("conformance-vllm")
-        [replica] = await start_replicas(tiny_models.a, 1, work, name="conformance")
+        [replica] = await start_replicas(
+            tiny_models.a, 1, work, name="conformance", max_model_len=CONTEXT
+        )
         try:
             yield Server("vllm", replica.url, str(tiny_models.a))
         finally:
             await stop_replicas([replica])
         return
     time = TimeModel(request_tokens_per_s=STANDIN_TOKENS_PER_S)
-    config = ReplicaConfig(model=tiny_models.a, chat_template=CHAT_TEMPLATE, time=time)
+    config = ReplicaConfig(
+        model=tiny_models.a, chat_template=CHAT_TEMPLATE, time=time, max_model_len=CONTEXT
+    )
     async with StandinFleet() as fleet:
         rep = await fleet.add(config)
         yield Server("standin", rep.url, config.model_name)
@@ -191,7 +200,7 @@ def start_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> 
 
 
 async def long_streams(server: Server, client: httpx.AsyncClient, n: int) -> list[Stream]:
-    """``n`` greedy 480-token generate streams, returned once each delivered a first chunk."""
+    """``n`` greedy ``MANY``-token generate streams, returned once each delivered a first chunk."""
     body = {
         "model": server.model,
         "token_ids": P,
@@ -245,7 +254,7 @@ async def scrape(client: httpx.AsyncClient) -> Scrape:
 async def freeze(
     server: Server, c: httpx.AsyncClient, control: httpx.AsyncClient, *, clear_cache: bool
 ) -> Frozen:
-    """Two non-streamed and one streamed 480-token generate request, frozen a few tokens in.
+    """Two non-streamed and one streamed ``MANY``-token generate request, frozen a few tokens in.
 
     They are sent behind a ``keep`` pause, resumed, and frozen again by a second ``keep`` pause
     once the stream delivered a token; the engine is left paused. Whether it holds all three is
@@ -339,7 +348,7 @@ async def test_simple_routes(server: Server) -> None:
         assert models["object"] == "list" and len(models["data"]) == 1
         card = models["data"][0]
         assert card["id"] == server.model and card["root"] == server.model
-        assert card["max_model_len"] == 512 and card["owned_by"] == "vllm"
+        assert card["max_model_len"] == CONTEXT and card["owned_by"] == "vllm"
         assert (await c.get("/get_world_size")).json() == {"world_size": 1}
         ws = await c.get("/get_world_size", params={"include_dp": "false"})
         assert ws.json() == {"world_size": 1}
@@ -411,7 +420,8 @@ async def test_completion_shapes(server: Server, tokenizer: Tokenizer) -> None:
         assert text["choices"][0]["prompt_token_ids"] == tokenizer.encode("the quick brown fox").ids
         unnamed = await post_ok(c, "/v1/completions", json={"prompt": P, "temperature": 0})
         assert unnamed.json()["usage"]["completion_tokens"] <= 16  # vLLM's default max_tokens
-        clamped = await complete(server, c, prompt=[5] * 500, max_tokens=100, ignore_eos=True)
+        long_prompt = [5] * (CONTEXT - 12)
+        clamped = await complete(server, c, prompt=long_prompt, max_tokens=100, ignore_eos=True)
         assert clamped["usage"]["completion_tokens"] == 12  # max_tokens clamped to the context
         assert clamped["choices"][0]["finish_reason"] == "length"
         ignored = await complete(server, c, prompt=P, max_tokens=2, return_weight_versions=True)
@@ -529,8 +539,8 @@ ERROR_CASES: dict[str, tuple[str, Any, int, str, str | None]] = {
     "max_tokens 0": ("/v1/completions", {"prompt": P, "max_tokens": 0}, 400, "BadRequestError",
                      "max_tokens"),
     "no prompt": ("/v1/completions", {"max_tokens": 3}, 400, "BadRequestError", "prompt"),
-    "prompt too long": ("/v1/completions", {"prompt": [5] * 600}, 400, "BadRequestError",
-                        "input_tokens"),
+    "prompt too long": ("/v1/completions", {"prompt": [5] * (CONTEXT + 88)}, 400,
+                        "BadRequestError", "input_tokens"),
     "token out of vocabulary": ("/v1/completions", {"prompt": [5000]}, 400, "BadRequestError",
                                 None),
     "empty cache_salt": ("/v1/completions", {"prompt": P, "cache_salt": ""}, 400,
