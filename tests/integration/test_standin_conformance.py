@@ -47,12 +47,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 P = [0, *range(300, 316)]  # 17 prompt tokens
 LONG = [0, *[(i * 37) % 1700 + 300 for i in range(299)]]  # 300 tokens: two full KV blocks
 CONTEXT = 2048  # both servers' max_model_len (the tiny models have 4096 positions)
-#: Tokens of a "long" request. The margin is derived from what was measured: with both cores
-#: saturated, vLLM's API server answers a control call up to ~2 s late while its engine goes on,
-#: and 480-token requests (~1.5 s on an idle host, the most a 512-token context allowed) ended
-#: before the control call in every one of 20 attempts under outside load. 2000 tokens run for
-#: ~6 s on an idle host and longer on a loaded one (the engine slows with the API server), three
-#: times the worst lag measured.
+#: Tokens of a "long" request. On a saturated host vLLM's API server answers a control call
+#: seconds late while its engine goes on: measured beside two spinning processes, ``/resume``
+#: answered 0.03-5.5 s late, and 6 of 8 freezes of three 2000-token requests held them (in the
+#: two misses the engine made all 6000 tokens first). With 480-token requests (the most a
+#: 512-token context allows) every one of 20 attempts missed under outside load. 2000 tokens run
+#: for ~6 s on an idle host; :func:`freeze` still reads whether the server held them.
 MANY = 2000
 STANDIN_TOKENS_PER_S = 400.0
 #: A check that needs requests still running when a control call lands still reads from the
