@@ -175,7 +175,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     base = rolling.marker(0)
     cluster = RayCluster(workdir / "ray")
     redis: RedisServer | None = None
-    store: RedisStore | None = None
+    store: RedisStore | None = None  # the scenario's reads (rolling.observer_store)
+    updater_store: RedisStore | None = None
     up: Updater | None = None
     router: subprocess.Popen[bytes] | None = None
     run = rolling.Run()
@@ -193,7 +194,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         )
         result["cluster_start_s"] = round(time.monotonic() - t0, 1)
         redis = RedisServer(workdir / "redis").start()
-        store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
+        store = rolling.observer_store(redis.url)
+        updater_store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
         replicas = [
             ReplicaConfig(
                 id=f"r{i}",
@@ -217,7 +219,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             health_timeout_s=2.0,
             deadlines=Deadlines(transfer_s=60.0),
         )
-        up = Updater(settings, store)
+        up = Updater(settings, updater_store)
         provider = up.provider
         assert isinstance(provider, RayProvider)
         t0 = time.monotonic()
@@ -334,6 +336,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         if up is not None:
             with contextlib.suppress(Exception):
                 await up.stop()
+        if updater_store is not None:
+            await updater_store.close()
         if store is not None:
             await store.close()
         if redis is not None:

@@ -213,6 +213,22 @@ async def load(url: str, p: Params, run: Run, stop: asyncio.Event, seed: int) ->
                 await asyncio.sleep(0.1)
 
 
+#: How long the scenario's own reads (sampling, waiting for a state) wait for Redis. The scenario
+#: observes; on a saturated host Redis can answer later than the product's 2 s socket timeout,
+#: and an observer that gave up would fail the run for nothing the product did. The updater and
+#: the router keep their own clients with the product's defaults.
+OBSERVER_SOCKET_TIMEOUT_S = 60.0
+
+
+def observer_store(redis_url: str) -> RedisStore:
+    """A client of the scenario's namespace for the scenario's own reads (see
+    :data:`OBSERVER_SOCKET_TIMEOUT_S`); the caller closes it."""
+    settings = StoreSettings(
+        url=redis_url, namespace=NAMESPACE, socket_timeout_s=OBSERVER_SOCKET_TIMEOUT_S
+    )
+    return RedisStore.connect(settings)
+
+
 async def sampler(store: RedisStore, run: Run, stop: asyncio.Event) -> None:
     while not stop.is_set():
         latest = await store.latest()
@@ -413,7 +429,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     extra = int(p.stuck_transfer) + 2
     await asyncio.gather(*(asyncio.to_thread(marker, g) for g in range(p.generations + extra)))
     redis = RedisServer(workdir / "redis").start()
-    store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
+    store = observer_store(redis.url)
+    updater_store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
     r1_port = free_port()
     proxy = await FaultProxy(f"http://127.0.0.1:{r1_port}").start()
     base = marker(0)
@@ -449,7 +466,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         health_failures=3,
         deadlines=Deadlines(transfer_s=60.0),
     )
-    up = Updater(settings, store)
+    up = Updater(settings, updater_store)
     routers: list[subprocess.Popen[bytes]] = []
     run = Run()
     stop = asyncio.Event()
@@ -519,6 +536,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         for proc in routers:
             terminate(proc)
         await up.stop()
+        await updater_store.close()
         await store.close()
         await proxy.stop()
         redis.stop()
