@@ -59,6 +59,12 @@ from updater.settings import ReplicaConfig, UpdaterSettings
 S = ReplicaState
 FAILOVER_GRACE_S = 10.0  # the router's: it delivers under its grants for half this unheartbeated
 USER, PASSWORD, ADMIN = "rolloutpool", "s3cret-redis-pass", "reliability-admin"
+#: The replicas' context and the length of the rollouts a replica fault must catch in flight.
+#: The fault lands once a sentinel sent after them has delivered a token to this process; on a
+#: saturated host vLLM's API server delivers seconds late while its engine goes on (measured: up
+#: to 5.5 s), and 480-token rollouts (the most a 512-token context allows) had then already
+#: ended. 4000 tokens run for ~13 s on an idle host.
+CONTEXT, LONG = 4096, 4000
 
 
 @dataclass
@@ -91,7 +97,11 @@ async def start_env(workdir: Path) -> Env:
             id=f"r{i}",
             model=base,
             launch=ReplicaSpec(
-                model=base, name=f"rel-r{i}", cpu_bind=str(i), work_dir=workdir / f"r{i}"
+                model=base,
+                name=f"rel-r{i}",
+                cpu_bind=str(i),
+                work_dir=workdir / f"r{i}",
+                max_model_len=CONTEXT,
             ),
         )
         for i in range(2)
@@ -156,7 +166,7 @@ async def _sentinel(url: str, model: str | None, first_token: asyncio.Event) -> 
     body = {
         "model": model,
         "prompt": [9, 8, 7],
-        "max_tokens": 480,
+        "max_tokens": LONG,
         "ignore_eos": True,
         "stream": True,
     }
@@ -198,7 +208,7 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         body = {
             "model": "rolloutpool",
             "prompt": [5, 6, 7],
-            "max_tokens": 480,
+            "max_tokens": LONG,
             "temperature": 1.0,
             "ignore_eos": True,
         }
