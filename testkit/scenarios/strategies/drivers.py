@@ -118,7 +118,9 @@ class DirectTarget:
             body = {
                 "model": self.model,
                 "token_ids": tokens,
-                "sampling_params": {"max_tokens": left, "temperature": 1.0},
+                # output_kind 2 (FINAL_ONLY): every token in the answer; 0.32+ sets it on this
+                # endpoint itself, 0.26 does not
+                "sampling_params": {"max_tokens": left, "temperature": 1.0, "output_kind": 2},
             }
             async with http.post(url + "/inference/v1/generate", json=body) as r:
                 data = await r.json(content_type=None)
