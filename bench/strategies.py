@@ -4,6 +4,7 @@ strict and at ``max_staleness`` 1, on the same running replicas, interleaved.
 
     flock /work/heavy.lock .venv/bin/python -m bench.strategies [--runs cpu_real,standin_8,...]
         [--short] [--rounds R]
+    source tests/gpu/gpu_env.sh && python -m bench.strategies --runs gpu --keep   # GPU host
 
 Runs (each: the replicas started once, then ``rounds`` rounds of the five strategies, the order
 rotated every round so machine noise hits all alike; a strategy's row sums its segments):
@@ -12,6 +13,11 @@ rotated every round so machine noise hits all alike; a strategy's row sums its s
   EOS-marker checkpoints (:mod:`testkit.scenarios.strategies.models`); before its rounds, a
   calibration: one request alone (``request_tokens_per_s``), the steady per-replica rate under
   the workload (``replica_tokens_per_s``) and ``reload_weights`` seconds (``transfer_s``);
+* ``gpu`` (on the GPU host, ``tests/gpu/README.md``): 2 real vLLM 0.26 replicas sharing GPU 0
+  (:func:`gpu_spec`, started one after the other), the same checkpoints, the same calibration
+  (recorded in its ``params``, not used by the stand-ins); 0.26 reports no ``weight_versions``
+  spans, so the baselines' tokens are attributed by their markers
+  (:func:`testkit.scenarios.strategies.workload.pieces_of_markers`);
 * ``standin_<N>``: N stand-in replicas (``python -m testkit.standin``) whose time model is that
   calibration (this run's ``cpu_real``, else the last one in the results file, else defaults),
   slowed by ``--dilate`` at large N so that one client process and one router on the 2-core box
@@ -29,6 +35,7 @@ import argparse
 import asyncio
 import json
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +46,8 @@ from typing import Any
 
 import aiohttp
 
-from bench._meta import RESULTS, write
+from bench._meta import RESULTS, meta, write
+from pool.launcher import LocalReplica, ReplicaSpec
 from testkit.harness import start_replicas, stop_replicas
 from testkit.procs import terminate
 from testkit.scenarios.scale import _spawn
@@ -49,6 +57,8 @@ from testkit.scenarios.strategies.report import STRATEGIES, figure, goals, ratio
 from testkit.scenarios.strategies.segment import Params, Segment, run_segment, served_model
 
 NAME = "strategies"
+#: the runs on real vLLM replicas (2 each)
+REAL = ("cpu_real", "gpu")
 #: a stand-in time model for when no real calibration exists (2-core box, earlier runs)
 DEFAULT_CALIBRATION = {"request_tokens_per_s": 120.0, "replica_tokens_per_s": 300.0,
                        "transfer_s": 0.3}  # fmt: skip
@@ -57,7 +67,7 @@ DEFAULT_CALIBRATION = {"request_tokens_per_s": 120.0, "replica_tokens_per_s": 30
 def params_for(run: str, short: bool, dilate: float) -> Params:
     """The workload of ``run``: 8 samples in flight per replica (4 at N >= 32), a batch of one
     sample per client, 3 steps a segment (2 when ``short``)."""
-    n = 2 if run == "cpu_real" else int(run.split("_")[1])
+    n = 2 if run in REAL else int(run.split("_")[1])
     per = 8 if n < 32 else 4
     p = Params(concurrency=per * n, batch=per * n, steps=2 if short else 3)
     p.train_s = 3.0 * dilate
@@ -74,7 +84,7 @@ async def calibrate(urls: list[str], p: Params) -> dict[str, float]:
         model = await served_model(http, urls[0])
         body = {"model": model, "token_ids": list(range(10, 26)),
                 "sampling_params": {"max_tokens": p.max_tokens, "temperature": 1.0,
-                                    "ignore_eos": True}}  # fmt: skip
+                                    "ignore_eos": True, "output_kind": 2}}  # fmt: skip
         rates = []
         for _ in range(3):
             t0 = time.monotonic()
@@ -141,10 +151,60 @@ class Results:
                 break
 
 
-async def cpu_real(a: argparse.Namespace, res: Results, work: Path) -> None:
-    p = params_for("cpu_real", a.short, 1.0)
+def gpu_spec(i: int, model: Path, work: Path) -> ReplicaSpec:
+    """Replica ``i`` of the ``gpu`` run: ``vllm serve`` (0.26) on GPU 0, which both replicas
+    share (``--gpu-memory-utilization 0.3`` each), otherwise as the CPU replicas (float32,
+    eager, a 64 MiB KV cache, prefix caching)."""
+    return ReplicaSpec(
+        model=model,
+        flavor="gpu",
+        name=f"strategies-gpu-{i}",
+        cpu_bind=None,
+        cuda_visible_devices="0",
+        extra_args=("--gpu-memory-utilization", "0.3"),
+        env={"NCCL_NVLS_ENABLE": "0"},
+        work_dir=work / f"replica-{i}",
+        startup_timeout_s=480.0,
+    )
+
+
+async def start_gpu_replicas(model: Path, work: Path) -> list[LocalReplica]:
+    """The ``gpu`` run's 2 replicas, one after the other (vLLM's start-up memory profiling
+    assumes nobody else allocates on the GPU meanwhile); all or nothing."""
+    reps: list[LocalReplica] = []
+    try:
+        for i in range(2):
+            reps.append(LocalReplica(gpu_spec(i, model, work)))
+            took = await reps[-1].start()
+            print(f"[gpu] replica {i} serving at {reps[-1].url} after {took:.0f} s", flush=True)
+    except BaseException:
+        await stop_replicas(reps)
+        raise
+    return reps
+
+
+def _gpu_name() -> str:
+    """GPU 0's name from ``nvidia-smi`` ("" where it cannot say)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            capture_output=True, text=True, check=False, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+async def real(run: str, a: argparse.Namespace, res: Results, work: Path) -> None:
+    """A run on 2 real replicas (``cpu_real`` or ``gpu``): calibration, then the rounds. The
+    ``cpu_real`` calibration becomes the stand-ins' time model (``calibration``); the ``gpu``
+    one is recorded in the run's ``params`` with the host (``machine``, ``versions``, ``gpu``)."""
+    p = params_for(run, a.short, 1.0)
     model = eos_marker(0, p.eos_prob)
-    reps = await start_replicas(model, 2, work / "replicas", name="strategies")
+    if run == "gpu":
+        reps = await start_gpu_replicas(model, work / "replicas")
+    else:
+        reps = await start_replicas(model, 2, work / "replicas", name="strategies")
     try:
         urls = [r.url for r in reps]
         cal = await calibrate(urls, p)
@@ -156,6 +216,12 @@ async def cpu_real(a: argparse.Namespace, res: Results, work: Path) -> None:
         for e in engines:
             await e.bootstrap()
         await prepare_replicas(engines, p.eos_prob)
+        extra: dict[str, Any] = {"replicas": 2, "short": a.short, **asdict(p)}
+        if run == "gpu":
+            host = meta()
+            extra |= {"vllm": engines[0].capabilities.version, "gpu": _gpu_name(),
+                      "machine": host["machine"], "versions": host["versions"],
+                      "attribution": "markers", "rounds": a.rounds}  # fmt: skip
         for e in engines:
             await e.aclose()
 
@@ -165,10 +231,13 @@ async def cpu_real(a: argparse.Namespace, res: Results, work: Path) -> None:
                            if r.get("steady_engine_tokens_per_s")]  # fmt: skip
             if per_replica:
                 cal["replica_tokens_per_s"] = round(sorted(per_replica)[len(per_replica) // 2], 1)
-            res.doc["calibration"] = cal
-            res.put("cpu_real", segs, {"replicas": 2, "short": a.short, **asdict(p)})
+            if run == "cpu_real":
+                res.doc["calibration"] = cal
+            else:
+                extra["calibration"] = cal
+            res.put(run, segs, extra)
 
-        await rounds("cpu_real", urls, p, a.rounds, work, save)
+        await rounds(run, urls, p, a.rounds, work, save)
     finally:
         await stop_replicas(reps)
 
@@ -219,8 +288,8 @@ async def main_async(a: argparse.Namespace) -> None:
             run, _, n_rounds = item.partition(":")
             a.rounds = int(n_rounds) if n_rounds else default_rounds
             print(f"=== {run} ({a.rounds} rounds)", flush=True)
-            if run == "cpu_real":
-                await cpu_real(a, res, Path(tmp))
+            if run in REAL:
+                await real(run, a, res, Path(tmp))
             else:
                 await standin(int(run.split("_")[1]), a, res, Path(tmp))
     print(json.dumps({"ratios": res.doc.get("ratios"), "goals": res.doc.get("goals")}, indent=1))

@@ -2,7 +2,9 @@
 strategy runs its trainer steps to the end on the same replicas, its samples are accounted for
 by policy, and the contract-bearing ones never mix policies: stop-the-world (by construction:
 it waits for every sample in flight), and the pool strict and at ``max_staleness`` 1 (0 mixed,
-0 cross-generation, every sample bound to a published generation)."""
+0 cross-generation, every sample bound to a published generation). The stand-ins pretend to be
+vLLM 0.32 (spans) and 0.26 (no spans, no labels: the baselines' tokens are read by marker, as on
+the GPU host)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from testkit.scenarios.strategies.segment import Params, run_segment
 pytestmark = pytest.mark.integration
 
 
-def test_every_strategy_on_the_same_two_standins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", ["0.32.0", "0.26.0"])
+def test_every_strategy_on_the_same_two_standins(tmp_path: Path, version: str) -> None:
     p = Params(
         concurrency=8, batch=4, steps=2, train_s=0.5, warmup_s=1.5,
         max_tokens=64, eos_prob=1 / 16, metrics_every_s=0.25,
@@ -32,7 +35,8 @@ def test_every_strategy_on_the_same_two_standins(tmp_path: Path) -> None:
     proc = _spawn(
         [sys.executable, "-m", "testkit.standin", "--count", "2",
          "--model", str(eos_marker(0, p.eos_prob)), "--urls-file", str(urls_file),
-         "--request-tps", "400", "--replica-tps", "1000", "--transfer-s", "0.1"],
+         "--request-tps", "400", "--replica-tps", "1000", "--transfer-s", "0.1",
+         "--version", version],
         tmp_path / "standin.log",
     )  # fmt: skip
     try:

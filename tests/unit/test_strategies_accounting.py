@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from testkit.models import EOS
-from testkit.scenarios.strategies.models import eos_marker, policy_marker
-from testkit.scenarios.strategies.workload import Piece, Sample, check_markers, pieces_of_spans
+from testkit.scenarios.strategies.models import MARKERS, eos_marker, policy_marker
+from testkit.scenarios.strategies.workload import (
+    Piece,
+    Sample,
+    check_markers,
+    pieces_of_markers,
+    pieces_of_spans,
+)
 from testkit.standin.weights import load_weights, plan_tokens
 
 
@@ -42,6 +48,29 @@ def test_spans_that_do_not_tile_the_output_are_refused(
 ) -> None:
     with pytest.raises(ValueError):
         pieces_of_spans([5, 5, 5], spans)
+
+
+def test_markers_split_the_output_by_policy_without_spans() -> None:
+    m1, m2 = policy_marker(1), policy_marker(2)
+    pieces = pieces_of_markers([m1, m1, m2, EOS], current=2)
+    assert pieces == [Piece(1, (m1, m1)), Piece(2, (m2, EOS))]
+    s = _sample(pieces)
+    assert s.mixed and s.cross_generation_tokens == 0
+
+
+def test_markers_name_the_newest_policies_and_eos_alone_goes_to_the_current_one() -> None:
+    current = MARKERS + 2  # policy 2's marker is policy MARKERS + 2's: the newest is meant
+    assert pieces_of_markers([policy_marker(2), EOS], current) == [
+        Piece(current, (policy_marker(2), EOS))
+    ]
+    assert pieces_of_markers([EOS], current=3) == [Piece(3, (EOS,))]
+    assert pieces_of_markers([], current=3) == []
+
+
+def test_a_token_that_names_no_recent_policy_is_cross_generation() -> None:
+    pieces = pieces_of_markers([policy_marker(0), 5, EOS], current=1)
+    assert pieces == [Piece(0, (policy_marker(0),)), Piece(1, (5, EOS))]
+    assert check_markers(pieces) == 1
 
 
 def test_a_token_of_another_marker_is_cross_generation() -> None:

@@ -10,12 +10,13 @@ endpoints on every replica at once, as those frameworks do:
   clients go on. Its samples are single-policy by construction.
 * ``keep`` (PipelineRL, prime-rl, SkyRL, TRL async): ``/pause?mode=keep`` (vLLM's default
   ``clear_cache``, as the official async example), ``reload_weights``, label, ``/resume``:
-  requests in flight continue on the new weights (two ``weight_versions`` spans).
+  requests in flight continue on the new weights (two ``weight_versions`` spans, or markers).
 * ``abort_resubmit`` (AReaL, slime): ``/pause?mode=abort``, ``reload_weights``, cache reset,
   label, ``/resume``; a client whose request came back ``finish_reason="abort"`` resubmits
   prompt + partial output for the tokens left (its re-prefilled tokens are wasted).
 
-Requests sent to a paused vLLM 0.32 server queue and run after ``/resume`` (on the new weights).
+Requests sent to a paused vLLM 0.26 or 0.32 server queue and run after ``/resume`` (on the new
+weights). vLLM 0.26 has no labels (the label step is a no-op there) and no spans.
 
 The pool (``pool_strict``, ``pool_staleness1``): a fresh Redis, one ``python -m updater``
 (the replicas as ``external`` replicas, ``reload`` transport) and one ``python -m router`` in
@@ -43,7 +44,13 @@ from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.scale import _spawn, _wait_http
 from testkit.scenarios.strategies.models import eos_marker, policy_marker
-from testkit.scenarios.strategies.workload import Load, Piece, TurnResult, pieces_of_spans
+from testkit.scenarios.strategies.workload import (
+    Load,
+    Piece,
+    TurnResult,
+    pieces_of_markers,
+    pieces_of_spans,
+)
 
 __all__ = [
     "BASELINES",
@@ -81,12 +88,16 @@ class Timeline:
 
 
 class DirectTarget:
-    """Requests straight to the replicas' ``/inference/v1/generate`` (with ``weight_versions``).
-    A sample goes to the replica with the fewest samples in flight and stays there."""
+    """Requests straight to the replicas' ``/inference/v1/generate``. A sample goes to the
+    replica with the fewest samples in flight and stays there. Its tokens' policies come from
+    the ``weight_versions`` spans when ``spans`` (vLLM 0.32+), else from the markers
+    (:func:`.workload.pieces_of_markers`, given :attr:`policy`, the newest policy loaded, which
+    :func:`baseline_publish` advances)."""
 
-    def __init__(self, urls: list[str], model: str, *, resubmit: bool) -> None:
-        self.urls, self.model, self.resubmit = urls, model, resubmit
+    def __init__(self, urls: list[str], model: str, *, resubmit: bool, spans: bool) -> None:
+        self.urls, self.model, self.resubmit, self.spans = urls, model, resubmit, spans
         self.busy = [0] * len(urls)
+        self.policy = 0
 
     async def open(self, http: aiohttp.ClientSession, kind: str) -> int:
         i = min(range(len(self.urls)), key=lambda k: self.busy[k])
@@ -107,7 +118,9 @@ class DirectTarget:
             body = {
                 "model": self.model,
                 "token_ids": tokens,
-                "sampling_params": {"max_tokens": left, "temperature": 1.0},
+                # output_kind 2 (FINAL_ONLY): every token in the answer; 0.32+ sets it on this
+                # endpoint itself, 0.26 does not
+                "sampling_params": {"max_tokens": left, "temperature": 1.0, "output_kind": 2},
             }
             async with http.post(url + "/inference/v1/generate", json=body) as r:
                 data = await r.json(content_type=None)
@@ -115,7 +128,10 @@ class DirectTarget:
                     raise ValueError(f"generate {r.status}: {str(data)[:120]}")
             choice = data["choices"][0]
             ids = [int(t) for t in choice["token_ids"]]
-            res.pieces += pieces_of_spans(ids, choice.get("weight_versions"))
+            if self.spans:
+                res.pieces += pieces_of_spans(ids, choice.get("weight_versions"))
+            else:
+                res.pieces += pieces_of_markers(ids, self.policy)
             left -= len(ids)
             if choice.get("finish_reason") != "abort" or not self.resubmit or left <= 0:
                 return res
@@ -150,10 +166,12 @@ def baseline_publish(
     strategy: str,
     engines: list[VllmEngine],
     load: Load,
+    target: DirectTarget,
     timeline: Timeline,
     eos_prob: float,
 ) -> Any:
-    """The ``publish(step)`` of a baseline: returns once every replica serves ``step``."""
+    """The ``publish(step)`` of a baseline: returns once every replica serves ``step``
+    (``target.policy`` is ``step`` from the end of the reload on)."""
 
     async def publish(step: int) -> None:
         t0 = time.monotonic()
@@ -164,6 +182,7 @@ def baseline_publish(
                 await load.drained()
                 await _all(engines, "pause", mode="wait")
                 await _all(engines, "reload", path=path)
+                target.policy = step
                 await _all(engines, "reset")
                 await _all(engines, "label", label=f"g{step}")
                 await _all(engines, "resume")
@@ -172,11 +191,13 @@ def baseline_publish(
         elif strategy == "keep":
             await _all(engines, "pause", mode="keep")
             await _all(engines, "reload", path=path)
+            target.policy = step
             await _all(engines, "label", label=f"g{step}")
             await _all(engines, "resume")
         elif strategy == "abort_resubmit":
             await _all(engines, "pause", mode="abort")
             await _all(engines, "reload", path=path)
+            target.policy = step
             await _all(engines, "reset")
             await _all(engines, "label", label=f"g{step}")
             await _all(engines, "resume")

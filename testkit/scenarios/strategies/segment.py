@@ -146,7 +146,12 @@ async def run_segment(strategy: str, urls: list[str], p: Params, work: Path, see
                 target = PoolTarget(stack.router_url)
             else:
                 model = await served_model(http, urls[0])
-                target = DirectTarget(urls, model, resubmit=strategy == "abort_resubmit")
+                target = DirectTarget(
+                    urls,
+                    model,
+                    resubmit=strategy == "abort_resubmit",
+                    spans=engines[0].capabilities.spans_generate,
+                )
             load = Load(
                 target, book, p.concurrency, p.max_tokens, p.session_share, p.session_turns, seed
             )
@@ -164,11 +169,11 @@ async def run_segment(strategy: str, urls: list[str], p: Params, work: Path, see
             seg.t_warm = time.monotonic()
             await asyncio.sleep(p.warmup_s)
             seg.t0 = time.monotonic()
-            publish = (
-                stack.publish(http, timeline, follows)
-                if stack is not None
-                else baseline_publish(strategy, engines, load, timeline, p.eos_prob)
-            )
+            if isinstance(target, DirectTarget):
+                publish = baseline_publish(strategy, engines, load, target, timeline, p.eos_prob)
+            else:
+                assert stack is not None
+                publish = stack.publish(http, timeline, follows)
             await trainer(
                 book,
                 publish,
