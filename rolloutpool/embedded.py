@@ -46,10 +46,10 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from pool.launcher import ReplicaSpec, default_cache_root
 from pool.settings import StoreSettings
 from pool.web import start_server
+from rolloutpool.local.models import ensure_model
 from rolloutpool.local.redis import RedisServer
 from router.app import create_app as create_router
 from router.settings import RouterSettings
-from testkit.models import ensure_model
 from updater.app import create_app as create_updater_app
 from updater.providers.config import RayConfig
 from updater.settings import ReplicaConfig, UpdaterSettings

@@ -1,4 +1,4 @@
-"""Tiny test models, built offline and deterministically (no hub, no download).
+"""Tiny Llama models, built offline and deterministically (no hub, no download).
 
 Every model is a ``LlamaForCausalLM`` with 2 layers, hidden 128, 2 heads of dim 64, MLP 256,
 vocab 2048, untied embeddings, 512 positions, ``bos=0 eos=1 pad=2`` (about 0.85 M parameters,
@@ -29,7 +29,7 @@ same key both end up using one complete directory.
 
 torch, transformers and tokenizers are imported inside the builders only: importing this module
 is cheap and needs none of them.
-CLI: ``python -m testkit.models --out DIR [--kind random --seed 1]``.
+CLI: ``python -m rolloutpool.local.models --out DIR [--kind random --seed 1]``.
 """
 
 from __future__ import annotations
@@ -309,13 +309,13 @@ MODEL_KINDS: dict[str, tuple[Builder, dict[str, Any]]] = {
 
 
 def _lora() -> Any:
-    """:mod:`testkit.lora_models` (imported late: it imports this module)."""
-    return importlib.import_module("testkit.lora_models")
+    """:mod:`rolloutpool.local.lora_models` (imported late: it imports this module)."""
+    return importlib.import_module("rolloutpool.local.lora_models")
 
 
 def _code_version(kind: str) -> str:
-    """A hash of the builders' source: this module, and :mod:`testkit.lora_models` for the
-    ``lora-*`` kinds (editing it rebuilds those only)."""
+    """A hash of the builders' source: this module, and :mod:`rolloutpool.local.lora_models` for
+    the ``lora-*`` kinds (editing it rebuilds those only)."""
     here = Path(__file__).resolve()
     blob = here.read_bytes()
     if kind.startswith("lora-"):
@@ -380,9 +380,10 @@ def ensure_model(kind: str, cache_root: Path | None = None, **params: Any) -> Pa
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m testkit.models --out DIR [--kind random|marker] [--seed N] [--token T]``."""
+    """``python -m rolloutpool.local.models --out DIR [--kind random|marker] [--seed N]
+    [--token T]``."""
     ap = argparse.ArgumentParser(
-        prog="python -m testkit.models", description=__doc__.split("\n")[0]
+        prog="python -m rolloutpool.local.models", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--out", type=Path, help="write the model here (default: into the cache)")
     ap.add_argument("--kind", choices=["random", "marker", "tokenizer"], default="random")
