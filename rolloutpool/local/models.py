@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pool.launcher import default_cache_root
+from pool.paths import default_cache_root
 
 __all__ = [
     "CHAT_TEMPLATE",

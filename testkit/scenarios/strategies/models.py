@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pool.launcher import default_cache_root
+from pool.paths import default_cache_root
 from rolloutpool.local.models import EOS, HIDDEN, ensure_model, marker_token
 
 __all__ = ["MARKERS", "eos_marker", "policy_marker"]
