@@ -8,6 +8,11 @@ from collections.abc import Awaitable, Callable
 
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
+from testkit.standin import StandinReplica, TimeModel
+from testkit.standin.engine import SimRequest
+
+#: what a completion generates when its body does not say (vLLM's default ``max_tokens``)
+DEFAULT_TOKENS = 16
 
 
 async def begin_drain(
@@ -48,3 +53,19 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.01)
+
+
+def taking(replica: StandinReplica, seconds: float, tokens: int = DEFAULT_TOKENS) -> None:
+    """Make a stand-in request of ``tokens`` tokens take ``seconds`` on ``replica``."""
+    replica.set_time(TimeModel(request_tokens_per_s=tokens / seconds))
+
+
+async def generating(replica: StandinReplica, count: int = 1) -> list[SimRequest]:
+    """The sequences ``replica`` generates, once it has at least ``count`` of them."""
+    engine = replica.live_engine()
+
+    async def enough() -> bool:
+        return len(engine.running) >= count
+
+    await until(enough)
+    return list(engine.running)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -15,37 +15,13 @@ import pytest
 from pool.errors import AdmissionRefused, StoreConflict
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
-from rolloutpool.local.models import ensure_model
 from router.keys import GRANTS, GUARD, STORE
 from testkit.harness import publish_ready, router_client
-from testkit.standin import ReplicaConfig, StandinFleet, StandinReplica, TimeModel
-from testkit.standin.engine import SimRequest
-from tests.helpers import begin_drain, generation_outcomes, until
+from testkit.standin import StandinReplica
+from tests.helpers import begin_drain, generating, generation_outcomes, taking, until
 from tests.unit.test_router_upstream import settings
 
 S = ReplicaState
-#: what a completion generates when the body does not say (vLLM's default ``max_tokens``)
-DEFAULT_TOKENS = 16
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[tuple[StandinReplica, str]]:
-    """A stand-in vLLM 0.32 replica (instant unless a test slows it) and its URL."""
-    async with StandinFleet() as fleet:
-        replica = await fleet.add(ReplicaConfig(model=ensure_model("random", seed=1)))
-        yield replica, replica.url
-
-
-def taking(replica: StandinReplica, seconds: float) -> None:
-    """Make a completion of :data:`DEFAULT_TOKENS` tokens take ``seconds`` on ``replica``."""
-    replica.set_time(TimeModel(request_tokens_per_s=DEFAULT_TOKENS / seconds))
-
-
-async def generating(replica: StandinReplica) -> SimRequest:
-    """The request ``replica`` generates, once it has one."""
-    engine = replica.live_engine()
-    await until(lambda: _true(bool(engine.running)))
-    return engine.running[0]
 
 
 async def record(store: RedisStore, rid: str) -> ReplicaRecord:
@@ -149,7 +125,7 @@ async def test_an_abort_cuts_what_runs_under_the_grant(
     async with router_client(settings(), store_settings) as c:
         await until(lambda: _positive(granted(store)))
         call = asyncio.create_task(c.post("/v1/completions", json={"prompt": "p"}))
-        generation = await generating(replica)
+        (generation,) = await generating(replica)
         assert await store.abort_active("r0", "drain deadline") == []  # no binding: a grant
         r = await asyncio.wait_for(call, 10)
         assert r.status == 503
