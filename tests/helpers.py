@@ -69,3 +69,22 @@ async def generating(replica: StandinReplica, count: int = 1) -> list[SimRequest
 
     await until(enough)
     return list(engine.running)
+
+
+async def aborted(generation: SimRequest) -> None:
+    """Wait until the stand-in aborted ``generation``: its HTTP client (the router) went away."""
+
+    async def ended() -> bool:
+        return generation.finish_reason == "abort"
+
+    await until(ended)
+
+
+async def idle(replica: StandinReplica) -> None:
+    """Wait until ``replica`` generates nothing (every request answered or aborted)."""
+    engine = replica.live_engine()
+
+    async def nothing() -> bool:
+        return not engine.running and not engine.waiting
+
+    await until(nothing)
