@@ -88,3 +88,13 @@ async def idle(replica: StandinReplica) -> None:
         return not engine.running and not engine.waiting
 
     await until(nothing)
+
+
+async def queued(replica: StandinReplica, count: int = 1) -> None:
+    """Wait until at least ``count`` sequences wait on ``replica`` (behind a pause)."""
+    engine = replica.live_engine()
+
+    async def waiting() -> bool:
+        return len(engine.waiting) >= count
+
+    await until(waiting)

@@ -1,23 +1,22 @@
 """Upstream behaviour of the proxy against the vLLM stand-in (:mod:`testkit.standin`: slow
-generations to disconnect from, cut or outlive deterministically) and a tiny in-process *fake*
-vLLM.
+generations to disconnect from, cut or outlive deterministically, requests aborted while queued)
+and a tiny in-process *fake* vLLM.
 
-The fake exists ONLY to inject what the stand-in does not produce: weight_versions spans and
-token ids that contradict the binding, HTTP 500/400 answers, connections dropped mid-answer,
-oversized bodies, a flood of events, answers vLLM gives to a request aborted while queued; and to
-record the exact body the router forwarded (cache_salt, model rewrite, stripped fields), which a
-real server does not echo. The same paths against real vLLM CPU servers are in
-``tests/integration/test_router.py``.
+The fake exists ONLY to inject what the stand-in does not produce: weight_versions spans and token
+ids that contradict the binding, HTTP 500/400 answers, connections dropped mid-answer, oversized
+bodies, a flood of events; and to record the exact body the router forwarded (cache_salt, model
+rewrite, stripped fields), which a real server does not echo. The same paths against real vLLM CPU
+servers are in ``tests/integration/test_router.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -37,9 +36,10 @@ from testkit.harness import publish_ready, router_client, settled
 from testkit.redis_server import RedisServer
 from testkit.standin import ReplicaConfig, StandinFleet, StandinReplica
 from testkit.standin.protocol import check_cache_salt
-from tests.helpers import aborted, active_rollouts, generating, idle, taking
+from tests.helpers import aborted, active_rollouts, generating, idle, queued, taking
 
 MODEL_PATH = "/fake/models/tiny"
+T = TypeVar("T")
 
 
 @dataclass
@@ -128,12 +128,7 @@ class FakeVllm:
             request.transport.abort()
             await asyncio.sleep(1)
             return web.Response()
-        if self.mode == "aborted":  # as vLLM answers a request aborted while queued
-            out = self.completion(body)
-            out["choices"][0].update(finish_reason="abort", token_ids=[], text="")
-            out["usage"].update(completion_tokens=0, total_tokens=3)
-            return web.json_response(out)
-        if self.mode in ("stream", "stream_drop", "flood", "stream_aborted"):
+        if self.mode in ("stream", "stream_drop", "flood"):
             return await self._stream(request, body)
         raise AssertionError(self.mode)
 
@@ -155,15 +150,6 @@ class FakeVllm:
                 c["weight_versions"] = spans
             return {"id": "cmpl-s", "model": body.get("model"), "choices": [c]}
 
-        if self.mode == "stream_aborted":
-            # what vLLM 0.32 streams for a completion aborted before its first token (pinned
-            # against real vLLM in test_standin_conformance): no choice chunk, the usage
-            # chunk with 0 completion tokens, [DONE]
-            usage = {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
-            await event({"id": "cmpl-s", "model": body.get("model"), "choices": [], "usage": usage})
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
         if self.mode == "flood":  # 64 KiB events as fast as they are taken: up to 256 MiB
             big = {"id": "cmpl-s", "choices": [{"index": 0, "text": "x" * 65536}]}
             for _ in range(4096):
@@ -443,26 +429,24 @@ async def test_buffered_upstream_bodies_are_capped(
 
 
 async def test_requests_vllm_aborted_are_recorded_aborted(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Pins the fix: a request vLLM aborted before its first token (an abort while it was
     queued) streams no choice chunk, only usage and ``[DONE]``; the router recorded it as
     ``finished`` with 0 tokens. It is now ``aborted`` with the reason; the client gets what vLLM
     sent (``[DONE]``, the rollout object on the usage chunk it asked for). The same for a whole
-    answer whose choice ended with ``finish_reason: "abort"``."""
-    f, url = fake
+    answer whose choice ended with ``finish_reason: "abort"``. The stand-in gives what vLLM
+    does: each request is queued behind a pause, then aborted by a pause in ``abort`` mode."""
+    replica, url = upstream
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(), store_settings) as c:
-        f.mode = "stream_aborted"
-        r = await c.post(
-            "/v1/completions",
-            json={
-                "model": "rolloutpool",
-                "prompt": "p",
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            },
-        )
+        body = {
+            "model": "rolloutpool",
+            "prompt": "p",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        r = await aborted_while_queued(replica, c.post("/v1/completions", json=body))
         assert r.status == 200
         events = await sse(r)
         assert events[-1] == "[DONE]" and events[0]["choices"] == []
@@ -471,8 +455,8 @@ async def test_requests_vllm_aborted_are_recorded_aborted(
         assert (b.state, b.completion_tokens) == (BindingState.ABORTED, 0)
         assert b.reason == "upstream aborted the request before its first token"
 
-        f.mode = "aborted"
-        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        body = {"model": "rolloutpool", "prompt": "p"}
+        r = await aborted_while_queued(replica, c.post("/v1/completions", json=body))
         assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "abort"
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (
@@ -480,6 +464,18 @@ async def test_requests_vllm_aborted_are_recorded_aborted(
             "upstream aborted the request (finish_reason 'abort') after 0 tokens",
         )
     await no_leaks(store)
+
+
+async def aborted_while_queued(replica: StandinReplica, post: Awaitable[T]) -> T:
+    """``post``'s answer, its request queued behind a pause of ``replica`` and then aborted, as
+    a pause in ``abort`` mode aborts what waits on vLLM."""
+    engine = replica.live_engine()
+    engine.pause("keep", clear_cache=False)
+    call = asyncio.ensure_future(post)
+    await queued(replica)
+    engine.pause("abort", clear_cache=False)
+    engine.resume()
+    return await call
 
 
 async def test_stream_passthrough_shape(
@@ -701,7 +697,7 @@ async def spans_after_the_binding_ended(
     replica: StandinReplica, store_settings: StoreSettings, store: RedisStore
 ) -> None:
     taking(replica, 0.3)
-    replica.live_engine().label = "g1"  # the weights the updater loaded next: spans name g1
+    replica.live_engine().set_label("g1")  # the weights the updater loaded next: spans name g1
     await publish_ready(store, [("r0", replica.url)])
     req = {"model": "rolloutpool", "prompt": "p"}
     async with router_client(settings(grants=False), store_settings) as c:
