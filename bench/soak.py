@@ -32,7 +32,7 @@ import yaml
 
 from pool.settings import StoreSettings
 from pool.store import RedisStore
-from testkit.models import marker_token
+from rolloutpool.local.models import marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import (

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._meta import write
-from pool.launcher import default_cache_root
+from pool.paths import default_cache_root
 from testkit.redis_server import RedisServer
 from testkit.scenarios.stale_cache import (
     Checkpoints,

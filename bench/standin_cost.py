@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from bench._meta import write
-from testkit.models import ensure_model
+from rolloutpool.local.models import ensure_model
 
 PROMPT = [0, *range(300, 316)]
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.model is None:
-        from testkit.models import ensure_model
+        from rolloutpool.local.models import ensure_model
 
         args.model = ensure_model("random", seed=1, init_std=0.02)
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))

@@ -31,9 +31,15 @@ from typing import Any
 
 
 class RolloutPoolError(Exception):
-    """Root of every error RolloutPool raises on purpose."""
+    """Root of every error RolloutPool raises on purpose. A subclass names its ``code`` in its
+    bases (``class NotFound(StoreError, code="not_found")``); one that does not inherits it."""
 
     code: str = "rolloutpool_error"
+
+    def __init_subclass__(cls, *, code: str | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if code is not None:
+            cls.code = code
 
     def __init__(self, message: str, **context: Any) -> None:
         super().__init__(message)
@@ -47,103 +53,76 @@ class RolloutPoolError(Exception):
         return {"error": body}
 
 
-class LifecycleError(RolloutPoolError):
-    code = "lifecycle_error"
+class LifecycleError(RolloutPoolError, code="lifecycle_error"): ...
 
 
-class IllegalTransition(LifecycleError):
-    code = "illegal_transition"
+class IllegalTransition(LifecycleError, code="illegal_transition"): ...
 
 
-class PostconditionFailed(LifecycleError):
-    code = "postcondition_failed"
+class PostconditionFailed(LifecycleError, code="postcondition_failed"): ...
 
 
-class StoreError(RolloutPoolError):
-    code = "store_error"
+class StoreError(RolloutPoolError, code="store_error"): ...
 
 
-class StoreUnavailable(StoreError):
-    code = "store_unavailable"
+class StoreUnavailable(StoreError, code="store_unavailable"): ...
 
 
-class StoreBusy(StoreUnavailable):
+class StoreBusy(StoreUnavailable, code="store_busy"):
     """This process's Redis connections were all in use for ``pool_timeout_s``: Redis itself is
     fine (retry soon), but admissions still fail closed."""
 
-    code = "store_busy"
 
-
-class NotReplicated(StoreUnavailable):
+class NotReplicated(StoreUnavailable, code="store_not_replicated"):
     """A fenced write reached the primary but not ``wait_replicas`` replicas within
     ``wait_timeout_s``: a failover could still lose it, so nothing may act on it."""
 
-    code = "store_not_replicated"
 
-
-class EpochChanged(StoreError):
+class EpochChanged(StoreError, code="store_epoch_changed"):
     """Redis failed over (a new failover epoch) between a check and the step that relied on
     it; the step must not proceed on the old evidence."""
 
-    code = "store_epoch_changed"
+
+class StoreConflict(StoreError, code="store_conflict"): ...
 
 
-class StoreConflict(StoreError):
-    code = "store_conflict"
+class StaleFencingToken(StoreConflict, code="stale_fencing_token"): ...
 
 
-class StaleFencingToken(StoreConflict):
-    code = "stale_fencing_token"
-
-
-class AdmissionRefused(StoreError):
+class AdmissionRefused(StoreError, code="admission_refused"):
     """Admission to one replica was refused; ``reason`` is a stable machine-readable word."""
-
-    code = "admission_refused"
 
     def __init__(self, reason: str, message: str | None = None, **context: Any) -> None:
         super().__init__(message or f"admission refused: {reason}", reason=reason, **context)
         self.reason = reason
 
 
-class NotFound(StoreError):
-    code = "not_found"
+class NotFound(StoreError, code="not_found"): ...
 
 
-class LimitReached(NotFound):
+class LimitReached(NotFound, code="limit_reached"):
     """A binding reached its maximum age or idle limit: it may no longer be used (its lease
     cannot be extended), and ends with ``reason`` (by the caller, or by the reaper)."""
-
-    code = "limit_reached"
 
     def __init__(self, message: str, *, reason: str, **context: Any) -> None:
         super().__init__(message, reason=reason, **context)
         self.reason = reason
 
 
-class EngineError(RolloutPoolError):
+class EngineError(RolloutPoolError, code="engine_error"):
     """A vLLM control-plane call failed. Prefer the two subclasses, which say what is known."""
 
-    code = "engine_error"
 
-
-class NoMutation(EngineError):
+class NoMutation(EngineError, code="no_mutation"):
     """The call failed in a way that proves nothing was mutated (refused, never sent, 4xx)."""
 
-    code = "no_mutation"
 
-
-class AmbiguousMutation(EngineError):
+class AmbiguousMutation(EngineError, code="ambiguous_mutation"):
     """The call may have mutated the engine (timeout mid-call, 5xx during a transfer, death)."""
 
-    code = "ambiguous_mutation"
+
+class DeadlineExceeded(RolloutPoolError, code="deadline_exceeded"): ...
 
 
-class DeadlineExceeded(RolloutPoolError):
-    code = "deadline_exceeded"
-
-
-class PreflightFailed(RolloutPoolError):
+class PreflightFailed(RolloutPoolError, code="preflight_failed"):
     """A checkpoint was refused before any mutation (missing path, manifest or identity)."""
-
-    code = "preflight_failed"

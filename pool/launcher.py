@@ -47,6 +47,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pool.errors import RolloutPoolError
+from pool.paths import default_cache_root
 
 __all__ = [
     "LaunchError",
@@ -54,7 +55,6 @@ __all__ = [
     "ReplicaSpec",
     "StartupProgress",
     "count_launches",
-    "default_cache_root",
     "free_port",
     "group_cpu_seconds",
     "log_tail",
@@ -112,7 +112,8 @@ class ReplicaSpec(BaseModel):
     lets vLLM choose, which puts every replica on core 0). ``kv_cache_bytes`` becomes
     ``--kv-cache-memory-bytes`` and an inherited ``VLLM_CPU_KVCACHE_SPACE`` is removed, because
     that variable overrides the flag. ``work_dir`` holds the log, ``VLLM_CACHE_ROOT`` and
-    ``TMPDIR``; ``None`` picks a fresh directory under ``$ROLLOUTPOOL_CACHE/replicas``.
+    ``TMPDIR``; ``None`` picks a fresh directory under ``<cache>/replicas`` (the cache directory,
+    :func:`pool.paths.default_cache_root`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -222,14 +223,6 @@ class ReplicaSpec(BaseModel):
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         env.update(self.env)
         return argv, env
-
-
-def default_cache_root() -> Path:
-    """``$ROLLOUTPOOL_CACHE`` if set, else ``<repo>/.cache`` (git-ignored)."""
-    env = os.environ.get("ROLLOUTPOOL_CACHE")
-    if env:
-        return Path(env).expanduser().resolve()
-    return Path(__file__).resolve().parent.parent / ".cache"
 
 
 def _default_work_dir(name: str) -> Path:

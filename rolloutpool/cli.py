@@ -108,10 +108,11 @@ Exit codes: 0 no rollout crossed a generation and the reward rose; 1 otherwise."
     "--results",
     type=click.Path(file_okay=False, path_type=Path),
     metavar="DIR",
-    default=Path("bench") / "results",
+    default=None,
     envvar="ROLLOUTPOOL_DEMO_RESULTS",
     show_envvar=True,
-    show_default=True,
+    show_default="the results directory: $ROLLOUTPOOL_RESULTS, a checkout's bench/results, "
+    "else ~/.local/share/rolloutpool/results",
     help="Where demo.json and demo.png go.",
 )
 def demo(
@@ -120,13 +121,14 @@ def demo(
     push_every: int,
     router_port: int,
     updater_port: int,
-    results: Path,
+    results: Path | None,
 ) -> None:
     """Run a tiny RL loop through a fresh local pool (about 3 minutes on 2 cores).
 
     REINFORCE on the tiny model, rollouts through the router, a checkpoint pushed every
     --push-every steps while background load checks that no rollout crosses a generation.
     """
+    from pool.paths import default_results_dir
     from rolloutpool import demo as demo_run
     from rolloutpool.results import write
 
@@ -142,8 +144,10 @@ def demo(
             }
         )
     loop_cfg = demo_run.DemoConfig(steps=steps, push_every=push_every)
-    result = asyncio.run(demo_run.run(loop_cfg, cfg, results.resolve()))
-    write("demo", result, results.resolve())
+    out = (results or default_results_dir()).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    result = asyncio.run(demo_run.run(loop_cfg, cfg, out))
+    write("demo", result, out)
     if not (result["cross_generation"] == 0 and result["reward_last"] > result["reward_first"]):
         raise CliError(ExitCode.FAILED, "the demo's checks failed (see demo.json)")
 

@@ -12,7 +12,8 @@ sending token-in/token-out rollouts (``/inference/v1/generate``, which carries v
 a generation other than its binding: ``cross_generation`` must stay 0.
 
 Output: a table per generation, a PNG (reward by generation; replica-generation timeline) and
-``bench/results/demo.json``.
+``demo.json``, in the results directory (in a checkout ``bench/results``:
+:func:`pool.paths.default_results_dir`).
 """
 
 from __future__ import annotations

@@ -43,13 +43,14 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from pool.launcher import ReplicaSpec, default_cache_root
+from pool.launcher import ReplicaSpec
+from pool.paths import default_cache_root
 from pool.settings import StoreSettings
 from pool.web import start_server
+from rolloutpool.local.models import ensure_model
 from rolloutpool.local.redis import RedisServer
 from router.app import create_app as create_router
 from router.settings import RouterSettings
-from testkit.models import ensure_model
 from updater.app import create_app as create_updater_app
 from updater.providers.config import RayConfig
 from updater.settings import ReplicaConfig, UpdaterSettings
@@ -194,7 +195,7 @@ class PoolConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # Redis data, checkpoints, logs; $ROLLOUTPOOL_CACHE unset means .cache beside the package
+    # Redis data, checkpoints, logs: under the cache directory (pool.paths.default_cache_root)
     workdir: Path = Field(default_factory=lambda: default_cache_root() / "pool")
     fresh: bool = False  # wipe the embedded Redis data and checkpoints of earlier runs first
     redis_url: str | None = None

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+from pool.paths import default_results_dir
 
 
 def _version(dist: str) -> str | None:
@@ -76,8 +76,9 @@ def meta() -> dict[str, Any]:
 
 
 def write(name: str, result: dict[str, Any], results: Path | None = None) -> Path:
-    """Write ``<results>/<name>.json`` (default ``bench/results``) with :func:`meta` added."""
-    out = results or RESULTS
+    """Write ``<results>/<name>.json`` with :func:`meta` added; ``results`` defaults to the
+    results directory (:func:`pool.paths.default_results_dir`), made if absent."""
+    out = results or default_results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps({**result, **meta()}, indent=2) + "\n")

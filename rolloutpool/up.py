@@ -26,8 +26,8 @@ from pool.web import PoolView
 from rolloutpool.errors import CliError, ExitCode
 from rolloutpool.status import read_pool
 
-if TYPE_CHECKING:  # the embedded pool needs testkit and the router: imported when it runs, so
-    # that status and push work where only pool, router and updater are installed (deploy/)
+if TYPE_CHECKING:  # the embedded pool (the router's and updater's apps, the local redis-server
+    # and models) is imported when it runs: status and push need none of it
     from rolloutpool.embedded import EmbeddedPool, PoolConfig
 
 

@@ -19,7 +19,8 @@ feed keeps current (:mod:`pool.store.feed`), snapshotted for ``replica_view_ttl_
    counted the moment it is made, a burst of concurrent admissions spreads over the replicas
    instead of all reading the same counts and picking the same one.
 
-If no candidate admits, :meth:`Admitter.admit` refreshes the view and retries with backoff until
+If no candidate admits, :meth:`Admitter.admit` (and :meth:`~Admitter.admit_granted`: one loop,
+:meth:`Admitter._retrying`) refreshes the view and retries with backoff until
 ``admission_wait_s`` is spent, then raises :class:`~router.errors.NoReplicaAvailable` (503 with
 ``Retry-After``). Constraints (:mod:`router.constraints`) that cannot be met by the published
 generation raise :class:`~router.constraints.GenerationUnsatisfiable` (409) at once, judged on a
@@ -45,7 +46,7 @@ import hashlib
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,15 @@ from router.health import PassiveHealth
 
 AFFINITY_CHARS = 256
 AFFINITY_TOKENS = 64
+
+#: The refusals an admission counts (``rolloutpool_router_refusals``), by kind: the label of the
+#: first kind the refusal is an instance of.
+REFUSALS: tuple[tuple[type[Exception], str], ...] = (
+    (GenerationUnsatisfiable, "generation_unsatisfiable"),
+    (NoReplicaAvailable, "no_replica_available"),
+    (StoreUnavailable, "store_unavailable"),
+    (QuotaExceeded, "client_sessions"),
+)
 
 
 def affinity_key(body: Mapping[str, Any]) -> bytes:
@@ -254,6 +264,11 @@ class Admitted:
     grant: LocalGrant | None = None  # admitted against this router's grant (no binding)
 
 
+#: One round of an admission (:meth:`Admitter._retrying`): given the candidates in admission
+#: order, the refusals so far (to add to) and when the admission began, the admission or None.
+Attempt = Callable[[list[ReplicaRecord], dict[str, str], float], Awaitable[Admitted | None]]
+
+
 class Admitter:
     """Admits rollouts (see the module docstring for ordering, waiting and cancellation)."""
 
@@ -291,56 +306,37 @@ class Admitter:
     ) -> Admitted:
         """Bind ``rollout_id`` (on ``terms``) to the best replica that accepts it; blocks up to
         ``wait_s``."""
-        terms = terms or Terms()
-        t0 = time.monotonic()
-        deadline = t0 + self.wait_s
-        backoff = 0.01
-        refusals: dict[str, str] = {}
-        fresh = False
-        try:
-            while True:
-                snap = await self.view.get(fresh=fresh)
-                await self._satisfiable(snap, constraints)
-                order = candidates(self.view, snap, constraints, self.max_staleness, key, accept)
-                for r in order if self.bindings.epoch is not None else []:
-                    self.view.reserve(r.replica_id)
-                    epoch = self.bindings.epoch
-                    try:
-                        adm = await self._admit_one(
-                            rollout_id, r.replica_id, constraints, session, lease_s, terms
-                        )
-                        if self.bindings.epoch != epoch:
-                            await self._still_bound(rollout_id, r.replica_id)
-                    except AdmissionRefused as e:
-                        if e.reason == "client_quota":
-                            raise self._over_quota(terms) from e
-                        refusals[r.replica_id] = e.reason
-                        continue
-                    finally:
-                        self.view.unreserve(r.replica_id)
-                    if session:
-                        self.view.session_admitted(r.replica_id)
-                    self.metrics.admissions.labels(r.replica_id).inc()
-                    self.metrics.admission_latency.observe(time.monotonic() - t0)
-                    return Admitted(adm, r, epoch)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._unavailable(snap, constraints, refusals)
-                await asyncio.sleep(min(backoff, remaining))
-                backoff = min(backoff * 2, 0.25)
-                fresh = True
-        except GenerationUnsatisfiable:
-            self.metrics.refusals.labels("generation_unsatisfiable").inc()
-            raise
-        except NoReplicaAvailable:
-            self.metrics.refusals.labels("no_replica_available").inc()
-            raise
-        except StoreUnavailable:
-            self.metrics.refusals.labels("store_unavailable").inc()
-            raise
-        except QuotaExceeded:
-            self.metrics.refusals.labels("client_sessions").inc()
-            raise
+        bound_terms = terms or Terms()
+
+        async def attempt(
+            order: list[ReplicaRecord], refusals: dict[str, str], t0: float
+        ) -> Admitted | None:
+            """ADMIT on each candidate in order (none before the failover guard has verified an
+            epoch); the first that binds wins."""
+            for r in order if self.bindings.epoch is not None else []:
+                self.view.reserve(r.replica_id)
+                epoch = self.bindings.epoch
+                try:
+                    adm = await self._admit_one(
+                        rollout_id, r.replica_id, constraints, session, lease_s, bound_terms
+                    )
+                    if self.bindings.epoch != epoch:
+                        await self._still_bound(rollout_id, r.replica_id)
+                except AdmissionRefused as e:
+                    if e.reason == "client_quota":
+                        raise self._over_quota(bound_terms) from e
+                    refusals[r.replica_id] = e.reason
+                    continue
+                finally:
+                    self.view.unreserve(r.replica_id)
+                if session:
+                    self.view.session_admitted(r.replica_id)
+                self.metrics.admissions.labels(r.replica_id).inc()
+                self.metrics.admission_latency.observe(time.monotonic() - t0)
+                return Admitted(adm, r, epoch)
+            return None
+
+        return await self._retrying(constraints, key, accept, 1, attempt)
 
     async def admit_granted(
         self,
@@ -357,6 +353,47 @@ class Admitter:
         like :meth:`admit`."""
         book = self.grants
         assert book is not None
+
+        async def attempt(
+            order: list[ReplicaRecord], refusals: dict[str, str], t0: float
+        ) -> Admitted | None:
+            """Take the slots from the first candidate's grant that has them; else grow the
+            candidates' grants in order until one yields them (none while the book is not
+            live)."""
+            if not book.live():
+                return None
+            for r in order:
+                lg = book.take(r.replica_id, r.generation or 0, slots)
+                if lg is not None:
+                    return self._granted(rollout_id, r, lg, t0)
+            for r in order:
+                self.metrics.path_round_trips.labels("grant").inc()
+                try:
+                    await book.grow(r.replica_id, slots)
+                except AdmissionRefused as e:
+                    refusals[r.replica_id] = e.reason
+                    continue
+                lg = book.take(r.replica_id, r.generation or 0, slots)
+                if lg is not None:
+                    return self._granted(rollout_id, r, lg, t0)
+            return None
+
+        return await self._retrying(constraints, key, accept, slots, attempt)
+
+    async def _retrying(
+        self,
+        constraints: Constraints,
+        key: bytes,
+        accept: Callable[[ReplicaRecord], bool] | None,
+        slots: int,
+        attempt: Attempt,
+    ) -> Admitted:
+        """The admission loop of :meth:`admit` and :meth:`admit_granted`: each round reads the
+        pool view (the cached one first, fresh ones after), checks the constraints can be met,
+        and hands the candidates in admission order to ``attempt``, which returns the admission
+        or None, noting each replica's refusal in the dict it is given (for the 503). Rounds are
+        retried with a doubling back-off (10 ms to 250 ms) until ``wait_s`` has passed since the
+        call. A refusal raised from here is counted by its kind (:data:`REFUSALS`)."""
         t0 = time.monotonic()
         deadline = t0 + self.wait_s
         backoff = 0.01
@@ -369,35 +406,18 @@ class Admitter:
                 order = candidates(
                     self.view, snap, constraints, self.max_staleness, key, accept, slots
                 )
-                if book.live():
-                    for r in order:
-                        lg = book.take(r.replica_id, r.generation or 0, slots)
-                        if lg is not None:
-                            return self._granted(rollout_id, r, lg, t0)
-                    for r in order:
-                        self.metrics.path_round_trips.labels("grant").inc()
-                        try:
-                            await book.grow(r.replica_id, slots)
-                        except AdmissionRefused as e:
-                            refusals[r.replica_id] = e.reason
-                            continue
-                        lg = book.take(r.replica_id, r.generation or 0, slots)
-                        if lg is not None:
-                            return self._granted(rollout_id, r, lg, t0)
+                admitted = await attempt(order, refusals, t0)
+                if admitted is not None:
+                    return admitted
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._unavailable(snap, constraints, refusals)
                 await asyncio.sleep(min(backoff, remaining))
                 backoff = min(backoff * 2, 0.25)
                 fresh = True
-        except GenerationUnsatisfiable:
-            self.metrics.refusals.labels("generation_unsatisfiable").inc()
-            raise
-        except NoReplicaAvailable:
-            self.metrics.refusals.labels("no_replica_available").inc()
-            raise
-        except StoreUnavailable:
-            self.metrics.refusals.labels("store_unavailable").inc()
+        except (GenerationUnsatisfiable, NoReplicaAvailable, StoreUnavailable, QuotaExceeded) as e:
+            label = next(label for kind, label in REFUSALS if isinstance(e, kind))
+            self.metrics.refusals.labels(label).inc()
             raise
 
     def _granted(self, rollout_id: str, r: ReplicaRecord, lg: LocalGrant, t0: float) -> Admitted:

@@ -20,6 +20,8 @@ Contracts:
   it has begun settling, and :func:`router.failover.cuttable` turns that into a 503 with the
   reason (an SSE error event on a stream); closing the upstream response makes vLLM abort the
   generation, so nothing keeps running on a binding nobody can prove.
+* :meth:`Bindings.settlement` is the one place a binding's :class:`Settlement` is built: what a
+  request ends with, a one-request rollout's RELEASE or a session request's touch.
 * :meth:`Bindings.close` (app shutdown) waits for pending releases, then cancels what is left.
 
 **Cancellation and redis-py.** A cancellation that arrives while redis-py (8.1, Python 3.11) is
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from pool.errors import NotFound, StoreConflict, StoreError
+from pool.errors import LimitReached, NotFound, StoreConflict, StoreError
 from pool.metrics import RouterMetrics
 from pool.store import RedisStore
 from pool.types import BindingState
@@ -295,6 +297,77 @@ class Bindings:
             self.end(rollout_id, replica_id, state, reason, prompt_tokens, completion_tokens)
         )
         return await asyncio.shield(task)
+
+    def settlement(
+        self,
+        rollout_id: str,
+        replica_id: str,
+        *,
+        session_lease_s: float | None = None,
+        then: Callable[[], None] | None = None,
+    ) -> Settlement:
+        """What ends a request on the binding of ``rollout_id`` (on ``replica_id``): the
+        :class:`Settlement` the proxy runs once, on whatever exit path the request takes.
+
+        * A one-request rollout (``session_lease_s`` None): RELEASE with the request's outcome
+          (:meth:`release`); ``then`` runs after it, however it ended.
+        * A request of a session (``session_lease_s``: the session's lease): a ``VIOLATED``
+          outcome ends the session (RELEASE); a failed request leaves it open and proves nothing
+          (nothing is delivered that would need confirming: ``CONFIRMED``); a finished one adds
+          its tokens with a touch that renews the lease and proves the session was still active
+          (``CONFIRMED``). A session the touch finds at a limit is ended aborted with the
+          limit's reason, one already ended is ``ENDED_ELSEWHERE``: either way the output is
+          withheld; a store that cannot be reached is ``UNCONFIRMED``.
+        """
+        if session_lease_s is None:
+            return Settlement(lambda o: self._release_request(rollout_id, replica_id, o, then))
+        lease_s = session_lease_s
+        return Settlement(
+            lambda o: self._settle_session_request(rollout_id, replica_id, o, lease_s)
+        )
+
+    async def _release_request(
+        self, rollout_id: str, replica_id: str, o: Outcome, then: Callable[[], None] | None
+    ) -> Settled:
+        self.metrics.path_round_trips.labels("release").inc()
+        try:
+            return await self.release(
+                rollout_id, replica_id, o.state, o.reason, o.prompt_tokens, o.completion_tokens
+            )
+        finally:
+            if then is not None:
+                then()
+
+    async def _settle_session_request(
+        self, rollout_id: str, replica_id: str, o: Outcome, lease_s: float
+    ) -> Settled:
+        if o.state is BindingState.VIOLATED:
+            return await self.release(
+                rollout_id, replica_id, o.state, o.reason, o.prompt_tokens, o.completion_tokens
+            )
+        if o.state is not BindingState.FINISHED:
+            log.info(
+                "session %s: request failed (%s); the session stays open", rollout_id, o.reason
+            )
+            return Settled.CONFIRMED
+        try:
+            await shielded(
+                self.store.touch(
+                    rollout_id,
+                    prompt_tokens=o.prompt_tokens,
+                    completion_tokens=o.completion_tokens,
+                    lease_s=lease_s,
+                )
+            )
+        except LimitReached as e:
+            await self.release(rollout_id, replica_id, BindingState.ABORTED, e.reason)
+            return Settled.ENDED_ELSEWHERE
+        except NotFound:
+            return Settled.ENDED_ELSEWHERE
+        except StoreError as e:
+            log.warning("session %s: could not confirm the binding: %s", rollout_id, e.message)
+            return Settled.UNCONFIRMED
+        return Settled.CONFIRMED
 
     @contextlib.contextmanager
     def renewing(

@@ -22,37 +22,22 @@ from __future__ import annotations
 from pool.web import HttpError
 
 
-class RouterError(HttpError):
-    status = 500
-    code = "router_error"
+class RouterError(HttpError, status=500, code="router_error"): ...
 
 
-class QuotaExceeded(RouterError):
+class QuotaExceeded(RouterError, status=429, code="quota_exceeded"):
     """A client limit of :class:`~router.settings.RouterSettings` refused the request."""
 
-    status = 429
-    code = "quota_exceeded"
 
-
-class NoReplicaAvailable(RouterError):
+class NoReplicaAvailable(RouterError, status=503, code="no_replica_available"):
     """No replica admitted the rollout within the admission wait; retryable."""
 
-    status = 503
-    code = "no_replica_available"
 
-
-class BindingEnded(RouterError):
+class BindingEnded(RouterError, status=503, code="binding_ended"):
     """The rollout's binding was ended while its request ran; the output is withheld."""
 
-    status = 503
-    code = "binding_ended"
+
+class UpstreamError(RouterError, status=502, code="upstream_error"): ...
 
 
-class UpstreamError(RouterError):
-    status = 502
-    code = "upstream_error"
-
-
-class UpstreamTimeout(RouterError):
-    status = 504
-    code = "upstream_timeout"
+class UpstreamTimeout(RouterError, status=504, code="upstream_timeout"): ...

@@ -122,7 +122,6 @@ from router.keys import (
     GRANTS,
     HTTP,
     IN_FLIGHT,
-    METRICS,
     RECORDER,
     RUNS,
     SETTINGS,
@@ -216,25 +215,13 @@ async def _single(
     timings.admit = time.perf_counter() - timings.start
     view, bindings = app[VIEW], app[BINDINGS]
     view.started(replica.replica_id)
-
-    async def release(o: Outcome) -> Settled:
-        app[METRICS].path_round_trips.labels("release").inc()
-        try:
-            return await bindings.release(
-                rollout_id,
-                replica.replica_id,
-                o.state,
-                o.reason,
-                o.prompt_tokens,
-                o.completion_tokens,
-            )
-        finally:
-            view.finished(replica.replica_id)
-
+    settle = bindings.settlement(
+        rollout_id, replica.replica_id, then=lambda: view.finished(replica.replica_id)
+    )
     target = Target(RolloutInfo.of_admission(adm), replica, deadline)
     lease_s = settings.request_lease_s
     with bindings.renewing(rollout_id, lease_s, target.info, epoch=admitted.epoch) as held:
-        run = run_settled(request, target, body, model, Settlement(release))
+        run = run_settled(request, target, body, model, settle)
         return await cuttable(request, held, run)
 
 

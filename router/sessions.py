@@ -43,7 +43,7 @@ from pool.errors import LimitReached, NotFound, StoreError
 from pool.types import Binding, BindingState, ReplicaRecord, ReplicaState
 from pool.web import CLIENT, Conflict, RouteNotFound, json_response, read_json_object
 from router import limits
-from router.bindings import Outcome, Settled, Settlement, shielded
+from router.bindings import Settled, Settlement, shielded
 from router.constraints import Constraints
 from router.keys import ADMITTER, BINDINGS, RECORDER, SETTINGS, STORE, VIEW
 from router.provenance import RolloutInfo, new_rollout_id
@@ -254,37 +254,8 @@ async def resolve(
         raise _not_active(rollout_id, touched.context.get("state")) from touched
     if isinstance(touched, BaseException):
         raise touched
-
-    async def settle(o: Outcome) -> Settled:
-        if o.state is BindingState.VIOLATED:
-            return await bindings.release(
-                rollout_id, b.replica_id, o.state, o.reason, o.prompt_tokens, o.completion_tokens
-            )
-        if o.state is not BindingState.FINISHED:
-            log.info(
-                "session %s: request failed (%s); the session stays open", rollout_id, o.reason
-            )
-            return Settled.CONFIRMED  # nothing is delivered that would need confirming
-        try:  # adds the tokens and proves the session was still active at the end
-            await shielded(
-                store.touch(
-                    rollout_id,
-                    prompt_tokens=o.prompt_tokens,
-                    completion_tokens=o.completion_tokens,
-                    lease_s=settings.session_lease_s,
-                )
-            )
-        except LimitReached as e:  # ended now, with its reason; the output is withheld
-            await bindings.release(rollout_id, b.replica_id, BindingState.ABORTED, e.reason)
-            return Settled.ENDED_ELSEWHERE
-        except NotFound:
-            return Settled.ENDED_ELSEWHERE
-        except StoreError as e:
-            log.warning("session %s: could not confirm the binding: %s", rollout_id, e.message)
-            return Settled.UNCONFIRMED
-        return Settled.CONFIRMED
-
-    return RolloutInfo.of_binding(b), replica, Settlement(settle), b.deadline_ms
+    settle = bindings.settlement(rollout_id, b.replica_id, session_lease_s=settings.session_lease_s)
+    return RolloutInfo.of_binding(b), replica, settle, b.deadline_ms
 
 
 __all__ = [

@@ -83,15 +83,15 @@ def type_name(annotation: Any) -> str:
 
 
 def default_text(info: FieldInfo) -> str:
-    from pool.launcher import default_cache_root
+    from pool.paths import default_cache_root
 
     if info.default_factory is not None:
         value = info.get_default(call_default_factory=True, validated_data={})
         if isinstance(value, BaseModel):
             return "(see below)"
         if isinstance(value, Path) and value.is_relative_to(default_cache_root()):
-            # the cache root depends on the machine: name it, as its docstring does
-            return f"`$ROLLOUTPOOL_CACHE/{value.relative_to(default_cache_root())}`"
+            # the cache directory depends on the machine: name it, as the Files section does
+            return f"`<cache>/{value.relative_to(default_cache_root())}`"
         return f"`{value!r}`"
     if info.default is PydanticUndefined:
         return "**required**"
@@ -150,6 +150,7 @@ def model_section(
 
 
 def configuration_page() -> str:
+    from pool import paths
     from pool.settings import StoreSettings
     from rolloutpool.embedded import PoolConfig
     from router.settings import RouterSettings
@@ -167,6 +168,8 @@ def configuration_page() -> str:
         model_section("Router", RouterSettings, "ROLLOUTPOOL_ROUTER_", seen),
         model_section("Updater", UpdaterSettings, "ROLLOUTPOOL_UPDATER_", seen),
         model_section("`rolloutpool up` pool file", PoolConfig, None, seen),
+        "## Files: the cache and the results\n",
+        markdown(paths.__doc__ or "") + "\n",
     ]
     return "\n".join(parts)
 

@@ -1,13 +1,13 @@
 """RolloutPool's test kit: everything tests and benchmarks need besides the product itself.
 
-One layer, with one rule: ``pool``, ``router`` and ``updater`` never import it (a unit test,
-``tests/unit/test_layers.py``, checks every import). Tests and benchmarks import it; tests never
-import ``bench`` and nothing imports ``tests``. ``rolloutpool`` (the CLI's embedded default pool
-and demo) uses it for the local ``redis-server`` and the tiny model, and only there.
+One layer, with one rule: the product (``pool``, ``router``, ``updater``, ``rolloutpool``) never
+imports it (a unit test, ``tests/unit/test_layers.py``, checks every import), and its wheel does
+not ship it: tests and benchmarks import it from the checkout. Tests never import ``bench`` and
+nothing imports ``tests``. The tiny models tests build are the product's
+(:mod:`rolloutpool.local.models`).
 
-* :mod:`testkit.models` — tiny Llama checkpoints and their tokenizer, built offline (random,
-  marker, deliberately incompatible shapes/dtypes), cached by content.
-* :mod:`testkit.redis_server` — a local ``redis-server`` child process with AOF.
+* :mod:`testkit.redis_server` — the embedded pool's local ``redis-server`` launcher (AOF),
+  re-exported.
 * :mod:`testkit.harness` — act as the updater (label, register, publish), serve the router.
 * :mod:`testkit.fault_proxy` — an HTTP proxy that can stall a replica's control calls.
 * :mod:`testkit.standin` — a stand-in vLLM 0.32 server: hundreds of cheap fake replicas in one

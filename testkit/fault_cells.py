@@ -69,9 +69,9 @@ import httpx
 
 from pool.errors import StoreError
 from pool.types import ReplicaState
+from rolloutpool.local.models import marker_token
 from testkit.fault_redis import RedisKind, SentinelRedis
 from testkit.faults import Rig, UpdaterProc
-from testkit.models import marker_token
 from testkit.procs import terminate
 
 S = ReplicaState

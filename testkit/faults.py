@@ -1,8 +1,8 @@
 """The fault rig: the pool's own control plane killed, stopped and raced, checked like Jepsen.
 
 :class:`Rig` runs a real ``redis-server`` (AOF), a router process and any number of updater
-processes (``python -m updater --config``, the ``local`` provider launching real vLLM CPU
-replicas of marker checkpoints: generation g emits only :func:`~testkit.models.marker_token`
+processes (``python -m updater --config``, the ``local`` provider launching real vLLM CPU replicas
+of marker checkpoints: generation g emits only :func:`~rolloutpool.local.models.marker_token`
 ``(g)``). While a cell's fault plays out (:meth:`Rig.signal` on an updater's pid, at the moment
 :meth:`Rig.wait_phase` sees a replica enter a phase), it keeps:
 
@@ -45,8 +45,8 @@ from pool.evidence import ProcessIdentity
 from pool.launcher import free_port
 from pool.store import RedisStore
 from pool.types import ReplicaRecord, ReplicaState
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.fault_redis import RedisKind, RigRedis, SentinelRedis, StandaloneRedis
-from testkit.models import ensure_model, marker_token
 from testkit.procs import terminate
 from testkit.scenarios.rolling import NAMESPACE, start_router, wait_http
 from updater.providers.leash import runs, start_ticks

@@ -34,10 +34,12 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Binding, BindingState, Generation, ReplicaState, WeightIdentity
 from pool.web import start_server
+from rolloutpool.local.models import (
+    CHAT_TEMPLATE as CHAT_TEMPLATE,  # the tiny models' own (stand-ins)
+)
+from rolloutpool.local.models import ensure_model
 from router.app import create_app
 from router.settings import RouterSettings
-from testkit.models import CHAT_TEMPLATE as CHAT_TEMPLATE  # the tiny models' own (stand-ins)
-from testkit.models import ensure_model
 from updater.providers.local import LocalProvider
 from updater.service import Updater
 

@@ -8,6 +8,11 @@ from collections.abc import Awaitable, Callable
 
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
+from testkit.standin import StandinReplica, TimeModel
+from testkit.standin.engine import SimRequest
+
+#: what a completion generates when its body does not say (vLLM's default ``max_tokens``)
+DEFAULT_TOKENS = 16
 
 
 async def begin_drain(
@@ -48,3 +53,48 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.01)
+
+
+def taking(replica: StandinReplica, seconds: float, tokens: int = DEFAULT_TOKENS) -> None:
+    """Make a stand-in request of ``tokens`` tokens take ``seconds`` on ``replica``."""
+    replica.set_time(TimeModel(request_tokens_per_s=tokens / seconds))
+
+
+async def generating(replica: StandinReplica, count: int = 1) -> list[SimRequest]:
+    """The sequences ``replica`` generates, once it has at least ``count`` of them."""
+    engine = replica.live_engine()
+
+    async def enough() -> bool:
+        return len(engine.running) >= count
+
+    await until(enough)
+    return list(engine.running)
+
+
+async def aborted(generation: SimRequest) -> None:
+    """Wait until the stand-in aborted ``generation``: its HTTP client (the router) went away."""
+
+    async def ended() -> bool:
+        return generation.finish_reason == "abort"
+
+    await until(ended)
+
+
+async def idle(replica: StandinReplica) -> None:
+    """Wait until ``replica`` generates nothing (every request answered or aborted)."""
+    engine = replica.live_engine()
+
+    async def nothing() -> bool:
+        return not engine.running and not engine.waiting
+
+    await until(nothing)
+
+
+async def queued(replica: StandinReplica, count: int = 1) -> None:
+    """Wait until at least ``count`` sequences wait on ``replica`` (behind a pause)."""
+    engine = replica.live_engine()
+
+    async def waiting() -> bool:
+        return len(engine.waiting) >= count
+
+    await until(waiting)

@@ -57,12 +57,18 @@ from pool.errors import (
 from pool.web.responses import json_response
 
 
-class HttpError(RolloutPoolError):
-    """An error with an HTTP status. ``code`` may be overridden per instance; ``headers`` are
-    sent with the answer (``WWW-Authenticate``, ``Retry-After``, ``X-Rollout-*``)."""
+class HttpError(RolloutPoolError, code="http_error"):
+    """An error with an HTTP status. A subclass names its ``status`` and ``code`` in its bases
+    (``class Conflict(HttpError, status=409, code="conflict")``); ``code`` may be overridden per
+    instance; ``headers`` are sent with the answer (``WWW-Authenticate``, ``Retry-After``,
+    ``X-Rollout-*``)."""
 
     status: int = 500
-    code = "http_error"
+
+    def __init_subclass__(cls, *, status: int | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if status is not None:
+            cls.status = status
 
     def __init__(
         self,
@@ -78,47 +84,30 @@ class HttpError(RolloutPoolError):
         self.headers: dict[str, str] = dict(headers or {})
 
 
-class BadRequest(HttpError):
-    status = 400
-    code = "bad_request"
+class BadRequest(HttpError, status=400, code="bad_request"): ...
 
 
-class Unauthorized(HttpError):
-    status = 401
-    code = "unauthorized"
-
+class Unauthorized(HttpError, status=401, code="unauthorized"):
     def __init__(self, message: str, **context: Any) -> None:
         super().__init__(message, headers={"WWW-Authenticate": "Bearer"}, **context)
 
 
-class Forbidden(HttpError):
-    status = 403
-    code = "forbidden"
+class Forbidden(HttpError, status=403, code="forbidden"): ...
 
 
-class RouteNotFound(HttpError):
-    status = 404
-    code = "not_found"
+class RouteNotFound(HttpError, status=404, code="not_found"): ...
 
 
-class Conflict(HttpError):
-    status = 409
-    code = "conflict"
+class Conflict(HttpError, status=409, code="conflict"): ...
 
 
-class PayloadTooLarge(HttpError):
-    status = 413
-    code = "payload_too_large"
+class PayloadTooLarge(HttpError, status=413, code="payload_too_large"): ...
 
 
-class Unprocessable(HttpError):
-    status = 422
-    code = "unprocessable"
+class Unprocessable(HttpError, status=422, code="unprocessable"): ...
 
 
-class RateLimited(HttpError):
-    status = 429
-    code = "rate_limited"
+class RateLimited(HttpError, status=429, code="rate_limited"): ...
 
 
 def status_of(e: RolloutPoolError) -> int:

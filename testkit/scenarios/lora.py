@@ -4,12 +4,12 @@ prefix-cache control.
     python -m bench.lora [--updates 10]
 
 Setup: a local redis-server; 2 vLLM CPU replicas of the tiny LoRA base
-(:func:`testkit.lora_models.build_lora_base`: it emits ``marker_token(0)``), started with
-``--enable-lora``; the updater in this process with ``generations: lora``; the router as a
-separate process with ``generations: lora``. Generation g >= 1 is the marker adapter of
-``marker_token(g)`` (:func:`testkit.lora_models.build_marker_adapter`), so a rollout's tokens name
-the generation that produced them. A load generator sends rollouts through the router (single
-requests and 3-request sessions, temperature 1.0); g1 is pushed, then comes a steady phase on
+(:func:`rolloutpool.local.lora_models.build_lora_base`: it emits ``marker_token(0)``), started with
+``--enable-lora``; the updater in this process with ``generations: lora``; the router as a separate
+process with ``generations: lora``. Generation g >= 1 is the marker adapter of ``marker_token(g)``
+(:func:`rolloutpool.local.lora_models.build_marker_adapter`), so a rollout's tokens name the
+generation that produced them. A load generator sends rollouts through the router (single requests
+and 3-request sessions, temperature 1.0); g1 is pushed, then comes a steady phase on
 it, then ``updates`` more pushes, one every ``gap_s`` (the update phase).
 
 Measured:
@@ -50,8 +50,8 @@ from pool.launcher import ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.harness import local_launcher
-from testkit.models import ensure_model, marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import start_router, wait_http

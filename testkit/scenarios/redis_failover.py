@@ -46,7 +46,7 @@ from pool.errors import NotFound, RolloutPoolError
 from pool.launcher import ReplicaSpec
 from pool.store import RedisStore, describe_token
 from pool.types import BindingState, ReplicaState
-from testkit.models import marker_token
+from rolloutpool.local.models import marker_token
 from testkit.redis_ha import SentinelGroup, command
 from testkit.redis_server import free_port
 from testkit.scenarios.rolling import (

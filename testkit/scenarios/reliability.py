@@ -46,8 +46,8 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
 from pool.web import start_server
+from rolloutpool.local.models import marker_token
 from testkit.harness import local_launcher
-from testkit.models import marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import NAMESPACE, PROBE_PROMPT, marker, push, start_router, wait_http

@@ -46,9 +46,9 @@ from pool.launcher import ReplicaSpec, count_launches
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.fault_proxy import FaultProxy
 from testkit.harness import local_launcher
-from testkit.models import ensure_model, marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from updater.api import ProbeSpec, UpdateRequest

@@ -63,7 +63,7 @@ import yaml
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
-from testkit.models import ensure_model, marker_token
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 

@@ -65,7 +65,7 @@ from pool.records import ReplicaReport
 from pool.settings import StoreSettings
 from pool.store import Admission, RedisStore
 from pool.types import BindingState, Generation, ReplicaState, WeightIdentity
-from testkit.models import ensure_model
+from rolloutpool.local.models import ensure_model
 from updater.cycle import (
     CycleError,
     CycleRunner,

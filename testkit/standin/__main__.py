@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     if args.model is None:
-        from testkit.models import ensure_model
+        from rolloutpool.local.models import ensure_model
 
         args.model = ensure_model("random", seed=1)
     template = args.chat_template.read_text() if args.chat_template else None

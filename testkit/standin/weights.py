@@ -6,9 +6,9 @@ names, sizes and modification times) and becomes :class:`Weights`:
 
 * ``identity``: 16 bytes of BLAKE2b over ``config.json`` and every safetensors file (names,
   sizes, bytes), so two checkpoints generate the same tokens iff their bytes are equal;
-* ``marker``: for the project's marker models (:func:`testkit.models.build_marker`: ``lm_head``
-  is zero except one positive entry in row ``T``) the token ``T`` they emit for any prompt and
-  any temperature, as the real model does; ``None`` for any other checkpoint;
+* ``marker``: for the project's marker models (:func:`rolloutpool.local.models.build_marker`:
+  ``lm_head`` is zero except one positive entry in row ``T``) the token ``T`` they emit for any
+  prompt and any temperature, as the real model does; ``None`` for any other checkpoint;
 * ``vocab_size`` and ``eos_token_id`` from ``config.json``;
 * ``eos_prob``: ``marker_eos_prob`` from ``config.json`` (0.0 if absent), set by the strategies
   benchmark's markers (:mod:`testkit.scenarios.strategies.models`), whose ``lm_head`` has a second

@@ -1,9 +1,10 @@
 """Fixtures for tests against real vLLM CPU servers.
 
-Models are built offline by :mod:`testkit.models` and cached under ``<repo>/.cache`` (or
-``$ROLLOUTPOOL_CACHE``) across sessions. Servers are expensive (20-45 s to start on 2 cores),
-so a module gets at most one: :func:`replica_a` (module scope) serves tiny model A in float32,
-eager mode, 64 MiB KV cache, bound to core 0, with ``--enable-scale-out`` for the token API.
+Models are built offline by :mod:`rolloutpool.local.models` and cached across sessions in the
+checkout's ``.cache`` (or ``$ROLLOUTPOOL_CACHE``: :func:`pool.paths.default_cache_root`). Servers
+are expensive (20-45 s to start on 2 cores), so a module gets at most one: :func:`replica_a` (module
+scope) serves tiny model A in float32, eager mode, 64 MiB KV cache, bound to core 0, with
+``--enable-scale-out`` for the token API.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import pytest
 import pytest_asyncio
 
 from pool.engine import VllmEngine
-from pool.launcher import LocalReplica, ReplicaSpec, default_cache_root
-from testkit.models import ensure_model, marker_token
+from pool.launcher import LocalReplica, ReplicaSpec
+from pool.paths import default_cache_root
+from rolloutpool.local.models import ensure_model, marker_token
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pool.launcher import LocalReplica, ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore, UpdaterLease
 from pool.types import Generation, WeightIdentity
-from testkit.models import ensure_model, marker_token
+from rolloutpool.local.models import ensure_model, marker_token
 from updater.cycle import CycleRunner, Deadlines, Probe, ReplicaHandle, UpdateTarget
 from updater.transports.base import Transport
 

@@ -18,7 +18,7 @@ from pool.engine import VllmEngine
 from pool.errors import AdmissionRefused
 from pool.evidence import TransferEvidence
 from pool.types import BindingState, Generation, ReplicaState, WeightIdentity
-from testkit.models import ensure_model, marker_token
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.redis_server import RedisServer
 from tests.integration.marker_pool import PROMPT, Pool, marker_dir, marker_pool, target
 from updater.cycle import (

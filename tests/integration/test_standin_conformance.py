@@ -459,7 +459,7 @@ async def test_completion_stream(server: Server) -> None:
 
 async def test_chat_completion(server: Server, tokenizer: Tokenizer) -> None:
     messages = [{"role": "user", "content": "hello there"}]
-    # the tiny models' own chat template (testkit.models.CHAT_TEMPLATE), as vLLM renders it
+    # the tiny models' chat template (rolloutpool.local.models.CHAT_TEMPLATE), as vLLM renders it
     prompt_ids = tokenizer.encode("<s>user\nhello there</s>\n<s>assistant\n").ids
     body = {"model": server.model, "messages": messages, "max_tokens": 4, "temperature": 0}
     body["ignore_eos"] = True

@@ -26,7 +26,7 @@ from pool.launcher import LocalReplica, ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaRecord, ReplicaState
-from testkit.models import ensure_model, marker_token
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.redis_server import RedisServer
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings

@@ -20,8 +20,8 @@ from pool.launcher import ReplicaSpec, free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import ReplicaState
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.harness import local_launcher
-from testkit.models import ensure_model, marker_token
 from testkit.scenarios.reliability import watch_recovery
 from updater.app import create_api
 from updater.client import UpdateFailed, UpdaterClient

@@ -26,9 +26,9 @@ from pool.records import UpdateRecord, UpdateState
 from pool.settings import StoreSettings
 from pool.store import RedisStore, UpdaterLease
 from pool.types import Generation, ReplicaState
+from rolloutpool.local.models import ensure_model
 from router.bindings import Bindings
 from router.failover import FailoverGuard
-from testkit.models import ensure_model
 from testkit.redis_server import RedisServer
 from tests.unit.test_updater_cycle import IDENT, MODEL, recording_engine, replica_r0
 from updater.cycle import CycleRunner, Probe, ReplicaHandle, UpdateTarget

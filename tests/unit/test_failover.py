@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestServer, make_mocked_request
+from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry
 
 from pool.errors import NotFound, StaleFencingToken, StoreError
@@ -44,8 +44,9 @@ from router.provenance import RolloutInfo
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
 from testkit.redis_ha import SentinelGroup, command
-from tests.helpers import active_rollouts, begin_drain
-from tests.unit.test_router_upstream import FakeVllm, sse
+from testkit.standin import StandinReplica
+from tests.helpers import aborted, active_rollouts, begin_drain, generating, taking
+from tests.unit.test_router_upstream import sse
 from updater.failover import EpochGate
 
 S = ReplicaState
@@ -287,38 +288,37 @@ async def test_a_cut_request_ends_its_binding_with_the_cut_reason(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_request_whose_binding_ends_under_it_is_cut_through_the_router(
-    store_settings: StoreSettings, store: RedisStore, stream: bool
+    upstream: tuple[StandinReplica, str],
+    store_settings: StoreSettings,
+    store: RedisStore,
+    stream: bool,
 ) -> None:
-    """The router app end to end (a fake vLLM upstream that generates slowly): the binding is
+    """The router app end to end (the vLLM stand-in, generating slowly): the binding is
     ended from outside (as the updater does at a drain deadline); the next renewal cuts the
     request, the upstream sees the disconnect, and the client gets 503 binding_lost (a stream:
     an SSE error event) with the binding's reason."""
-    f = FakeVllm(mode="slow_stream" if stream else "ok", delay_s=0 if stream else 30)
-    server = TestServer(f.app())
-    await server.start_server()
-    try:
-        await publish_ready(store, [("r0", str(server.make_url("")).rstrip("/"))])
-        rs = RouterSettings(admission_wait_s=1.0, request_lease_s=0.6, grants=False)
-        async with router_client(rs, store_settings) as c:
-            body = {"model": "rolloutpool", "prompt": "hi", "max_tokens": 400, "stream": stream}
-            call = asyncio.create_task(c.post("/v1/completions", json=body))
-            await f.received.wait()
-            (rid,) = await active_rollouts(store, "r0")
-            await store.release(rid, "r0", BindingState.ABORTED, reason="drain ended")
-            r = await asyncio.wait_for(call, 10)
-            if stream:
-                assert r.status == 200
-                events = await sse(r)
-                err = events[-1]["error"]
-            else:
-                assert r.status == 503
-                err = (await r.json())["error"]
-            assert err["code"] == "binding_lost" and err["rollout"]["id"] == rid
-            await asyncio.wait_for(f.disconnected.wait(), 5)
-        b = await store.binding(rid)
-        assert b.state is BindingState.ABORTED and b.reason == "drain ended"
-    finally:
-        await server.close()
+    replica, url = upstream
+    taking(replica, 30.0, tokens=400)
+    await publish_ready(store, [("r0", url)])
+    rs = RouterSettings(admission_wait_s=1.0, request_lease_s=0.6, grants=False)
+    async with router_client(rs, store_settings) as c:
+        body = {"model": "rolloutpool", "prompt": "hi", "max_tokens": 400, "stream": stream}
+        call = asyncio.create_task(c.post("/v1/completions", json=body))
+        (generation,) = await generating(replica)
+        (rid,) = await active_rollouts(store, "r0")
+        await store.release(rid, "r0", BindingState.ABORTED, reason="drain ended")
+        r = await asyncio.wait_for(call, 10)
+        if stream:
+            assert r.status == 200
+            events = await sse(r)
+            err = events[-1]["error"]
+        else:
+            assert r.status == 503
+            err = (await r.json())["error"]
+        assert err["code"] == "binding_lost" and err["rollout"]["id"] == rid
+        await aborted(generation)  # the upstream saw the disconnect
+    b = await store.binding(rid)
+    assert b.state is BindingState.ABORTED and b.reason == "drain ended"
 
 
 async def test_a_grant_lost_in_a_failover_gets_its_requests_cut_before_any_transfer(

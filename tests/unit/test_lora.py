@@ -30,10 +30,10 @@ from pool.lifecycle import Lifecycle, advance
 from pool.records import ReplicaOutcome, UpdateRecord, UpdateState
 from pool.store import RedisStore
 from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
+from rolloutpool.local.models import ensure_model
 from router.provenance import check_response
 from router.proxy import upstream_body
 from router.upstream import ReplicaInfo
-from testkit.models import ensure_model
 from updater.config import ReplicaConfig
 from updater.cycle import CycleRunner, ReplicaHandle
 from updater.lora import LoraRollout

@@ -11,7 +11,7 @@ import pytest
 
 from pool.adapters import read_adapter
 from pool.checkpoint import read_manifest
-from testkit.models import ensure_model, marker_token
+from rolloutpool.local.models import ensure_model, marker_token
 from updater.probe import probe_from_adapter, probe_from_model
 
 peft: Any = pytest.importorskip("peft")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from testkit.models import CHAT_TEMPLATE, ensure_model, marker_token
+from rolloutpool.local.models import CHAT_TEMPLATE, ensure_model, marker_token
 
 #: sha256 of the trained vocabulary, merges and special tokens (ids 0-2: <s> </s> <pad>).
 VOCAB_DIGEST = "7b7a116c9c384899fc758b52a618f6f53ca2754496969afe6d63fefd9153ba36"

@@ -1,4 +1,4 @@
-"""Capacity grants end to end (router app, real Redis, a fake vLLM upstream) and in the store:
+"""Capacity grants end to end (router app, real Redis, the vLLM stand-in) and in the store:
 no Redis call on a one-request rollout's path, a drain that waits for grants, an abort that
 cuts what runs under them, a grant that lives on its router's registration."""
 
@@ -7,33 +7,21 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestServer
 
 from pool.errors import AdmissionRefused, StoreConflict
 from pool.store import RedisStore
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
 from router.keys import GRANTS, GUARD, STORE
 from testkit.harness import publish_ready, router_client
-from tests.helpers import begin_drain, generation_outcomes, until
-from tests.unit.test_router_upstream import FakeVllm, settings
+from testkit.standin import StandinReplica
+from tests.helpers import begin_drain, generating, generation_outcomes, taking, until
+from tests.unit.test_router_upstream import settings
 
 S = ReplicaState
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[tuple[FakeVllm, str]]:
-    """A fake vLLM 0.32 server (see :class:`FakeVllm`) and its URL."""
-    f = FakeVllm()
-    server = TestServer(f.app())
-    await server.start_server()
-    try:
-        yield f, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
 
 
 async def record(store: RedisStore, rid: str) -> ReplicaRecord:
@@ -61,7 +49,7 @@ def store_calls_on_the_path(store: RedisStore) -> list[str]:
 
 
 async def test_a_rollout_under_a_grant_makes_no_redis_call_before_its_answer(
-    upstream: tuple[FakeVllm, str], store_settings: Any, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: Any, store: RedisStore
 ) -> None:
     _, url = upstream
     await publish_ready(store, [("r0", url)])
@@ -90,19 +78,19 @@ async def _positive(n: Awaitable[int]) -> bool:
 
 
 async def test_a_drain_waits_for_the_grant_until_its_request_was_delivered(
-    upstream: tuple[FakeVllm, str], store_settings: Any, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: Any, store: RedisStore
 ) -> None:
     """DRAINING closes the grant at once (the change feed), the request under it finishes and
     is delivered, then the grant is returned; QUIESCED is refused until then (I2)."""
-    f, url = upstream
-    f.delay_s = 0.5
+    replica, url = upstream
+    taking(replica, 0.5)
     await publish_ready(store, [("r0", url)])
     lease = store.updater_lease("u")
     token = await lease.acquire()
     async with router_client(settings(), store_settings) as c:
         await until(lambda: _positive(granted(store)))
         call = asyncio.create_task(c.post("/v1/completions", json={"prompt": "p"}))
-        await asyncio.wait_for(f.received.wait(), 5)
+        await generating(replica)
         await begin_drain(store, "r0", token, Generation(number=1, label="g1"), "wid:1")
         book = c.server.app[GRANTS]
         await until(lambda: _true(not book.grants["r0"].open))
@@ -126,24 +114,24 @@ async def _zero(n: Awaitable[int]) -> bool:
 
 
 async def test_an_abort_cuts_what_runs_under_the_grant(
-    upstream: tuple[FakeVllm, str], store_settings: Any, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: Any, store: RedisStore
 ) -> None:
     """The updater's abort at a drain deadline (or a taint): the router hears it on the change
     feed, cuts the request (503 binding_lost, upstream disconnected), records it aborted with
     the reason and returns the grant."""
-    f, url = upstream
-    f.delay_s = 30.0
+    replica, url = upstream
+    taking(replica, 30.0)
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(), store_settings) as c:
         await until(lambda: _positive(granted(store)))
         call = asyncio.create_task(c.post("/v1/completions", json={"prompt": "p"}))
-        await asyncio.wait_for(f.received.wait(), 5)
+        (generation,) = await generating(replica)
         assert await store.abort_active("r0", "drain deadline") == []  # no binding: a grant
         r = await asyncio.wait_for(call, 10)
         assert r.status == 503
         err = (await r.json())["error"]
         assert err["code"] == "binding_lost" and "drain deadline" in err["message"]
-        await asyncio.wait_for(f.disconnected.wait(), 5)
+        await until(lambda: _true(generation.finish_reason == "abort"))  # the client went away
         doc = await (await c.get(f"/v1/rollouts/{r.headers['X-Rollout-Id']}")).json()
         assert doc["state"] == "aborted" and "drain deadline" in doc["reason"]
         await until(lambda: _zero(granted(store)))
@@ -210,19 +198,19 @@ async def test_records_are_written_once_with_the_generation_counts(store: RedisS
 
 
 async def test_a_router_that_was_frozen_cuts_what_ran_under_its_grants(
-    upstream: tuple[FakeVllm, str], store_settings: Any, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: Any, store: RedisStore
 ) -> None:
     """Resumed after a freeze longer than half its registration's TTL, a router's next
     heartbeat succeeds, but the grants may have been reclaimed meanwhile (and the replica
     updated under a request not yet sent): everything under them is cut, none of it is
     delivered, and they are forgotten before the new registration counts."""
-    f, url = upstream
-    f.delay_s = 30.0
+    replica, url = upstream
+    taking(replica, 30.0)
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(), store_settings) as c:
         await until(lambda: _positive(granted(store)))
         call = asyncio.create_task(c.post("/v1/completions", json={"prompt": "p"}))
-        await asyncio.wait_for(f.received.wait(), 5)
+        await generating(replica)
         book, guard = c.server.app[GRANTS], c.server.app[GUARD]
         assert book.registered_at is not None
         book.registered_at -= store.settings.failover_grace_s  # as if frozen that long

@@ -9,10 +9,10 @@ from collections import Counter
 
 from pool.settings import StoreSettings
 from pool.store import RedisStore
+from rolloutpool.local.models import ensure_model
 from router.health import PassiveHealth
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
-from testkit.models import ensure_model
 from testkit.redis_server import free_port
 from testkit.standin import ReplicaConfig, StandinFleet
 

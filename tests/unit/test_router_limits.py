@@ -17,13 +17,14 @@ from pool.web import BadRequest
 from router.keys import RUNS
 from router.limits import sequences
 from testkit.harness import publish_ready, router_client
-from tests.unit.test_router_upstream import FakeVllm, fake, no_leaks, settings
-
-__all__ = ["fake"]  # the fixture, shared with test_router_upstream
+from testkit.standin import StandinReplica, TimeModel
+from tests.helpers import generating, taking
+from tests.unit.test_router_upstream import no_leaks, settings
 
 DEAD = "http://127.0.0.1:1"
 KEY_A, KEY_B, ADMIN = "key-A-1111", "key-B-2222", "adm-3333"
-REQ = {"model": "rolloutpool", "prompt": "p", "max_tokens": 1}
+TOKENS = 1
+REQ = {"model": "rolloutpool", "prompt": "p", "max_tokens": TOKENS}
 
 
 def auth(token: str) -> dict[str, str]:
@@ -69,12 +70,12 @@ async def test_an_explicit_session_quota_is_kept_and_0_disables_it(
 
 
 async def test_by_default_a_clients_requests_in_flight_are_capped_at_the_pools_capacity(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Before, 1,024 requests per client could be in flight (queued past the pool's capacity).
     Unset, the limit is the pool's capacity: a third request on a pool of 2 slots is 429."""
-    f, url = fake
-    f.delay_s = 30.0
+    replica, url = upstream
+    taking(replica, 30.0, tokens=TOKENS)
     await publish_ready(store, [("r0", url)], capacity=2)
     s = settings(api_keys=[KEY_A, KEY_B], admission_wait_s=0.2)
     async with router_client(s, store_settings) as c:
@@ -82,8 +83,7 @@ async def test_by_default_a_clients_requests_in_flight_are_capped_at_the_pools_c
             asyncio.create_task(c.post("/v1/completions", json=REQ, headers=auth(KEY_A)))
             for _ in range(2)
         ]
-        while len(f.bodies) < 2:
-            await asyncio.sleep(0.02)
+        await generating(replica, 2)
         r = await c.post("/v1/completions", json=REQ, headers=auth(KEY_A))
         assert r.status == 429, await r.text()
         err = (await r.json())["error"]
@@ -99,21 +99,21 @@ async def test_by_default_a_clients_requests_in_flight_are_capped_at_the_pools_c
 
 
 async def test_a_sessions_requests_are_limited_across_routers(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Before, session_max_in_flight was counted per worker: under ``--workers 2`` one session
     ran two requests at once on one slot. Now a second request through another router (or
     worker) is 429 ``session_busy`` while the first runs; once it ended, the next one runs.
     A mark nobody renews (a dead worker's) lapses with its lease."""
-    f, url = fake
-    f.delay_s = 1.0
+    replica, url = upstream
+    taking(replica, 1.0, tokens=TOKENS)
     await publish_ready(store, [("r0", url)], capacity=4)
     s = settings(request_lease_s=0.6, grants=False)  # sessions only: no slot held in advance
     async with router_client(s, store_settings) as c1, router_client(s, store_settings) as c2:
         sid = (await (await c1.post("/v1/rollouts")).json())["rollout_id"]
         on_session = {"X-Rollout-Id": sid}
         first = asyncio.create_task(c1.post("/v1/completions", json=REQ, headers=on_session))
-        await asyncio.wait_for(f.received.wait(), 5)
+        await generating(replica)
         r = await c2.post("/v1/completions", json=REQ, headers=on_session)
         assert r.status == 429 and r.headers["Retry-After"] == "1"
         err = (await r.json())["error"]
@@ -142,20 +142,19 @@ async def test_a_sessions_requests_are_limited_across_routers(
 
 
 async def test_a_session_is_free_again_by_the_time_its_answer_arrives(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """A client sends its next turn as soon as it has the answer. The request's mark must be
     gone by then (removed when the request is settled, before the answer or a stream's last
     chunk is delivered); removed after delivery, the next turn could find its own previous
     request still running and get 429 ``session_busy``."""
-    f, url = fake
+    _, url = upstream
     await publish_ready(store, [("r0", url)], capacity=4)
     async with router_client(settings(grants=False), store_settings) as c:
         sid = (await (await c.post("/v1/rollouts")).json())["rollout_id"]
         key = c.app[RUNS].key(sid)
         for turn in range(20):
             stream = turn % 2 == 1
-            f.mode = "stream" if stream else "ok"
             r = await c.post(
                 "/v1/completions", json={**REQ, "stream": stream}, headers={"X-Rollout-Id": sid}
             )
@@ -202,24 +201,28 @@ def test_n_must_be_a_positive_integer(bad: Any) -> None:
 
 
 async def test_sequences_are_charged_as_slots_or_refused(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Before, ``n`` and prompt arrays let one slot carry any number of sequences. Under a grant
     a request is charged one slot per sequence: with 3 of 4 slots taken by ``n`` = 3, a request
     with ``n`` = 2 finds no room (503) while one with a single sequence runs. Where a request
     holds one slot (a session's, or any with grants off) more than one is refused, and more than
     any replica's capacity too, each 400 naming the fields."""
-    f, url = fake
-    f.delay_s = 2.0
+    replica, url = upstream
+    taking(replica, 2.0, tokens=TOKENS)
     await publish_ready(store, [("r0", url)], capacity=4)
     async with router_client(settings(admission_wait_s=0.3), store_settings) as c:
         three = asyncio.create_task(c.post("/v1/completions", json={**REQ, "n": 3}))
-        await asyncio.wait_for(f.received.wait(), 5)
+        await generating(replica, 3)
         r = await c.post("/v1/completions", json={**REQ, "prompt": ["a", "b"]})
         assert r.status == 503, await r.text()
-        assert (await c.post("/v1/completions", json={**REQ, "n": 1})).status == 200
-        assert (await three).status == 200
-        assert [b.get("n") for b in f.bodies] == [3, 1]
+        one = await c.post("/v1/completions", json={**REQ, "n": 1})
+        assert one.status == 200
+        r = await three
+        assert r.status == 200
+        # n forwarded as asked (a choice per sequence), and nothing else reached the replica
+        assert [len((await a.json())["choices"]) for a in (r, one)] == [3, 1]
+        assert replica.live_engine().generation_tokens == 4
 
         gen = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1, "n": 5}}
         for path, body, field in [
@@ -230,7 +233,7 @@ async def test_sequences_are_charged_as_slots_or_refused(
             assert r.status == 400, (path, await r.text())
             err = (await r.json())["error"]
             assert (err["code"], err["limit"], err["fields"]) == ("too_many_sequences", 4, [field])
-    f.delay_s = 0.0
+    replica.set_time(TimeModel())  # instant
     async with router_client(settings(grants=False), store_settings) as c:
         sid = (await (await c.post("/v1/rollouts")).json())["rollout_id"]
         chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2}

@@ -1,21 +1,22 @@
-"""Upstream behaviour of the proxy against a tiny in-process *fake* vLLM.
+"""Upstream behaviour of the proxy against the vLLM stand-in (:mod:`testkit.standin`: slow
+generations to disconnect from, cut or outlive deterministically, requests aborted while queued)
+and a tiny in-process *fake* vLLM.
 
-The fake exists ONLY to inject what a real server cannot produce on demand: weight_versions
-spans that contradict the binding, HTTP 500/400 answers, connections dropped mid-answer, a
-stream or a generation slow enough to disconnect from deterministically, and a 0.33 version
-string; and to record the exact body the router forwarded (cache_salt, model rewrite, stripped
-fields), which a real server does not echo. The same paths against real vLLM CPU servers are in
-``tests/integration/test_router.py``.
+The fake exists ONLY to inject what the stand-in does not produce: weight_versions spans and token
+ids that contradict the binding, HTTP 500/400 answers, connections dropped mid-answer, oversized
+bodies, a flood of events; and to record the exact body the router forwarded (cache_salt, model
+rewrite, stripped fields), which a real server does not echo. The same paths against real vLLM CPU
+servers are in ``tests/integration/test_router.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -26,16 +27,19 @@ from jsonschema import Draft202012Validator
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import BindingState, ReplicaState
+from rolloutpool.local.models import ensure_model
 from router import proxy
 from router.app import create_app
 from router.openapi import document
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client, settled
 from testkit.redis_server import RedisServer
+from testkit.standin import ReplicaConfig, StandinFleet, StandinReplica
 from testkit.standin.protocol import check_cache_salt
-from tests.helpers import active_rollouts
+from tests.helpers import aborted, active_rollouts, generating, idle, queued, taking
 
 MODEL_PATH = "/fake/models/tiny"
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,9 +51,7 @@ class FakeVllm:
     spans: Any = None
     token_ids: list[int] = field(default_factory=lambda: [7, 8])
     status: int = 200
-    delay_s: float = 0.0
     bodies: list[dict[str, Any]] = field(default_factory=list)
-    received: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
     def app(self) -> web.Application:
@@ -90,7 +92,6 @@ class FakeVllm:
     async def infer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        self.received.set()
         try:
             return await self._answer(request, body)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -98,8 +99,6 @@ class FakeVllm:
             raise
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
         if self.mode == "ok":
             return web.json_response(self.completion(body))
         if self.mode == "status":
@@ -129,12 +128,7 @@ class FakeVllm:
             request.transport.abort()
             await asyncio.sleep(1)
             return web.Response()
-        if self.mode == "aborted":  # as vLLM answers a request aborted while queued
-            out = self.completion(body)
-            out["choices"][0].update(finish_reason="abort", token_ids=[], text="")
-            out["usage"].update(completion_tokens=0, total_tokens=3)
-            return web.json_response(out)
-        if self.mode in ("stream", "stream_drop", "slow_stream", "flood", "stream_aborted"):
+        if self.mode in ("stream", "stream_drop", "flood"):
             return await self._stream(request, body)
         raise AssertionError(self.mode)
 
@@ -156,19 +150,6 @@ class FakeVllm:
                 c["weight_versions"] = spans
             return {"id": "cmpl-s", "model": body.get("model"), "choices": [c]}
 
-        if self.mode == "stream_aborted":
-            # what vLLM 0.32 streams for a completion aborted before its first token (pinned
-            # against real vLLM in test_standin_conformance): no choice chunk, the usage
-            # chunk with 0 completion tokens, [DONE]
-            usage = {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
-            await event({"id": "cmpl-s", "model": body.get("model"), "choices": [], "usage": usage})
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        if self.mode == "slow_stream":
-            for i in range(400):
-                await event(chunk([i], None))
-                await asyncio.sleep(0.025)
         if self.mode == "flood":  # 64 KiB events as fast as they are taken: up to 256 MiB
             big = {"id": "cmpl-s", "choices": [{"index": 0, "text": "x" * 65536}]}
             for _ in range(4096):
@@ -448,26 +429,24 @@ async def test_buffered_upstream_bodies_are_capped(
 
 
 async def test_requests_vllm_aborted_are_recorded_aborted(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Pins the fix: a request vLLM aborted before its first token (an abort while it was
     queued) streams no choice chunk, only usage and ``[DONE]``; the router recorded it as
     ``finished`` with 0 tokens. It is now ``aborted`` with the reason; the client gets what vLLM
     sent (``[DONE]``, the rollout object on the usage chunk it asked for). The same for a whole
-    answer whose choice ended with ``finish_reason: "abort"``."""
-    f, url = fake
+    answer whose choice ended with ``finish_reason: "abort"``. The stand-in gives what vLLM
+    does: each request is queued behind a pause, then aborted by a pause in ``abort`` mode."""
+    replica, url = upstream
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(), store_settings) as c:
-        f.mode = "stream_aborted"
-        r = await c.post(
-            "/v1/completions",
-            json={
-                "model": "rolloutpool",
-                "prompt": "p",
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            },
-        )
+        body = {
+            "model": "rolloutpool",
+            "prompt": "p",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        r = await aborted_while_queued(replica, c.post("/v1/completions", json=body))
         assert r.status == 200
         events = await sse(r)
         assert events[-1] == "[DONE]" and events[0]["choices"] == []
@@ -476,8 +455,8 @@ async def test_requests_vllm_aborted_are_recorded_aborted(
         assert (b.state, b.completion_tokens) == (BindingState.ABORTED, 0)
         assert b.reason == "upstream aborted the request before its first token"
 
-        f.mode = "aborted"
-        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        body = {"model": "rolloutpool", "prompt": "p"}
+        r = await aborted_while_queued(replica, c.post("/v1/completions", json=body))
         assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "abort"
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (
@@ -485,6 +464,18 @@ async def test_requests_vllm_aborted_are_recorded_aborted(
             "upstream aborted the request (finish_reason 'abort') after 0 tokens",
         )
     await no_leaks(store)
+
+
+async def aborted_while_queued(replica: StandinReplica, post: Awaitable[T]) -> T:
+    """``post``'s answer, its request queued behind a pause of ``replica`` and then aborted, as
+    a pause in ``abort`` mode aborts what waits on vLLM."""
+    engine = replica.live_engine()
+    engine.pause("keep", clear_cache=False)
+    call = asyncio.ensure_future(post)
+    await queued(replica)
+    engine.pause("abort", clear_cache=False)
+    engine.resume()
+    return await call
 
 
 async def test_stream_passthrough_shape(
@@ -542,19 +533,20 @@ async def test_stream_passthrough_shape(
 
 
 async def test_client_disconnect_mid_stream_aborts_upstream_and_binding(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    f, url = fake
-    f.mode = "slow_stream"
+    replica, url = upstream
+    taking(replica, 10.0)  # a slow stream
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(), store_settings) as c:
         r = await c.post(
             "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
         )
         rid = r.headers["X-Rollout-Id"]
+        (generation,) = await generating(replica)
         assert (await r.content.readuntil(b"\n\n")).startswith(b"data: ")
         r.close()  # drop the connection mid-stream
-        await asyncio.wait_for(f.disconnected.wait(), 5)
+        await aborted(generation)
         for _ in range(100):
             b = await settled(store, rid)
             if b.state is not BindingState.ACTIVE:
@@ -565,19 +557,19 @@ async def test_client_disconnect_mid_stream_aborts_upstream_and_binding(
 
 
 async def test_client_disconnect_while_waiting_aborts_upstream_and_binding(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    f, url = fake
-    f.delay_s = 30.0
+    replica, url = upstream
+    taking(replica, 30.0)
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(grants=False), store_settings) as c:
         task = asyncio.create_task(
             c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
         )
-        await asyncio.wait_for(f.received.wait(), 5)
+        (generation,) = await generating(replica)
         (rid,) = await active_rollouts(store, "r0")
         task.cancel()
-        await asyncio.wait_for(f.disconnected.wait(), 5)
+        await aborted(generation)
         for _ in range(100):
             b = await settled(store, rid)
             if b.state is not BindingState.ACTIVE:
@@ -588,11 +580,11 @@ async def test_client_disconnect_while_waiting_aborts_upstream_and_binding(
 
 
 async def test_long_request_keeps_its_lease(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """A generation longer than the request lease is not reaped: the router renews it."""
-    f, url = fake
-    f.delay_s = 1.0
+    replica, url = upstream
+    taking(replica, 1.0)
     await publish_ready(store, [("r0", url)])
     s = settings(request_lease_s=0.3, reaper_interval_s=0.05)
     async with router_client(s, store_settings) as c:
@@ -604,12 +596,12 @@ async def test_long_request_keeps_its_lease(
 
 
 async def test_disconnect_is_noticed_without_handler_cancellation(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """The fallback documented in router.proxy: served without handler cancellation, a failed
     SSE write still closes the upstream and aborts the binding."""
-    f, url = fake
-    f.mode = "slow_stream"
+    replica, url = upstream
+    taking(replica, 10.0)  # a slow stream
     await publish_ready(store, [("r0", url)])
     app = create_app(settings(), store_settings)
     runner = web.AppRunner(app, handler_cancellation=False)
@@ -624,9 +616,10 @@ async def test_disconnect_is_noticed_without_handler_cancellation(
                 json={"model": "rolloutpool", "prompt": "p", "stream": True},
             )
             rid = r.headers["X-Rollout-Id"]
+            (generation,) = await generating(replica)
             await r.content.readuntil(b"\n\n")
             r.close()
-        await asyncio.wait_for(f.disconnected.wait(), 5)
+        await aborted(generation)
         for _ in range(100):
             b = await settled(store, rid)
             if b.state is not BindingState.ACTIVE:
@@ -639,28 +632,26 @@ async def test_disconnect_is_noticed_without_handler_cancellation(
 
 
 async def test_output_is_withheld_when_the_binding_ends_under_the_request(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """The updater aborts bindings at a drain deadline (then pauses and updates the replica):
     output of a request whose binding was ended while it ran is never delivered."""
-    f, url = fake
-    f.delay_s = 0.5
+    replica, url = upstream
+    taking(replica, 0.5)
     await publish_ready(store, [("r0", url)])
     req = {"model": "rolloutpool", "prompt": "p"}
     async with router_client(settings(grants=False), store_settings) as c:
 
         async def abort_when_received() -> list[str]:
-            await asyncio.wait_for(f.received.wait(), 5)
-            f.received.clear()
+            await generating(replica)
             return await store.abort_active("r0", "drain deadline")
 
         for body in (req, {**req, "stream": True}):
-            f.mode = "stream" if body.get("stream") else "ok"
-            answer, aborted = await asyncio.gather(
+            answer, ended_ids = await asyncio.gather(
                 c.post("/v1/completions", json=body), abort_when_received()
             )
             rid = answer.headers["X-Rollout-Id"]
-            assert aborted == [rid]
+            assert ended_ids == [rid]
             if body.get("stream"):
                 events = await sse(answer)
                 assert "[DONE]" not in events
@@ -673,12 +664,12 @@ async def test_output_is_withheld_when_the_binding_ends_under_the_request(
                 assert "choices" not in await answer.text()
             b = await store.binding(rid)
             assert (b.state, b.reason) == (BindingState.ABORTED, "drain deadline")
+            await idle(replica)
 
-        f.mode = "ok"
         sid = (await (await c.post("/v1/rollouts")).json())["rollout_id"]
 
         async def close_when_received() -> int:
-            await asyncio.wait_for(f.received.wait(), 5)
+            await generating(replica)
             return (await c.post(f"/v1/rollouts/{sid}/close")).status
 
         answer, closed = await asyncio.gather(
@@ -691,29 +682,35 @@ async def test_output_is_withheld_when_the_binding_ends_under_the_request(
 
 
 async def test_spans_after_the_binding_ended_do_not_taint(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Audit finding (issue 11): the proxy tainted the replica before settling, so spans of the
     next generation on a request whose binding the updater had already aborted (drain deadline,
     then a legitimate weight change) took a healthy replica out of service."""
-    f, url = fake
-    f.delay_s = 0.3
-    f.spans = [{"version": "g1", "start": 0, "end": 3}]  # the weights the updater loaded next
-    await publish_ready(store, [("r0", url)])
+    async with StandinFleet() as fleet:  # a 0.33 replica: its answers carry spans
+        model = ensure_model("random", seed=1)
+        replica = await fleet.add(ReplicaConfig(model=model, version="0.33.0"))
+        await spans_after_the_binding_ended(replica, store_settings, store)
+
+
+async def spans_after_the_binding_ended(
+    replica: StandinReplica, store_settings: StoreSettings, store: RedisStore
+) -> None:
+    taking(replica, 0.3)
+    replica.live_engine().set_label("g1")  # the weights the updater loaded next: spans name g1
+    await publish_ready(store, [("r0", replica.url)])
     req = {"model": "rolloutpool", "prompt": "p"}
     async with router_client(settings(grants=False), store_settings) as c:
 
         async def abort_when_received() -> list[str]:
-            await asyncio.wait_for(f.received.wait(), 5)
-            f.received.clear()
+            await generating(replica)
             return await store.abort_active("r0", "drain deadline")
 
         for body in (req, {**req, "stream": True}):
-            f.mode = "stream" if body.get("stream") else "ok"
-            answer, aborted = await asyncio.gather(
+            answer, ended_ids = await asyncio.gather(
                 c.post("/v1/completions", json=body), abort_when_received()
             )
-            assert aborted == [answer.headers["X-Rollout-Id"]]
+            assert ended_ids == [answer.headers["X-Rollout-Id"]]
             if body.get("stream"):
                 events = await sse(answer)
                 assert events[-1]["error"]["code"] == "binding_ended"
@@ -722,6 +719,7 @@ async def test_spans_after_the_binding_ended_do_not_taint(
                 assert (await answer.json())["error"]["code"] == "binding_ended"
             b = await store.binding(answer.headers["X-Rollout-Id"])
             assert (b.state, b.reason) == (BindingState.ABORTED, "drain deadline")
+            await idle(replica)
         metrics = await (await c.get("/metrics")).text()
     assert (await store.replica("r0")).state is ReplicaState.READY
     assert 'rolloutpool_violations_total{replica="r0"}' not in metrics
@@ -729,11 +727,11 @@ async def test_spans_after_the_binding_ended_do_not_taint(
 
 
 async def test_output_is_withheld_when_the_store_cannot_confirm(
-    fake: tuple[FakeVllm, str], tmp_path: Path
+    upstream: tuple[StandinReplica, str], tmp_path: Path
 ) -> None:
     """Redis goes away while a request runs: the answer is withheld (fail closed)."""
-    f, url = fake
-    f.delay_s = 0.5
+    replica, url = upstream
+    taking(replica, 0.5)
     redis = RedisServer(tmp_path / "redis").start()
     try:
         ss = StoreSettings(url=redis.url, namespace="confirm", socket_timeout_s=0.3)
@@ -743,7 +741,7 @@ async def test_output_is_withheld_when_the_store_cannot_confirm(
         async with router_client(settings(grants=False), ss) as c:
 
             async def stop_redis() -> None:
-                await asyncio.wait_for(f.received.wait(), 5)
+                await generating(replica)
                 redis.stop()
 
             answer, _ = await asyncio.gather(
@@ -773,24 +771,28 @@ async def ended(store: RedisStore, rid: str) -> Any:
 
 
 async def test_a_request_ends_at_its_deadline(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Audit finding (issue 11): nothing bounded a whole request or stream (only the replica's
     silence). Past request_deadline_s it is aborted with the reason, upstream closed."""
-    f, url = fake
+    replica, url = upstream
     await publish_ready(store, [("r0", url)])
     reason = "request deadline of 0.4 s exceeded"
     async with router_client(settings(request_deadline_s=0.4), store_settings) as c:
-        f.delay_s = 30.0
-        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        taking(replica, 30.0)
+        call = asyncio.create_task(
+            c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+        )
+        (generation,) = await generating(replica)
+        r = await call
         assert r.status == 504
         err = (await r.json())["error"]
         assert err["code"] == "deadline_exceeded" and reason in err["message"]
-        await asyncio.wait_for(f.disconnected.wait(), 5)
+        await aborted(generation)
         b = await ended(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (BindingState.ABORTED, reason)
 
-        f.delay_s, f.mode = 0.0, "slow_stream"  # a stream that would take 10 s
+        taking(replica, 10.0)  # a stream that would take 10 s
         r = await c.post(
             "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
         )
@@ -802,10 +804,10 @@ async def test_a_request_ends_at_its_deadline(
 
 
 async def test_a_sessions_request_ends_at_the_sessions_max_age(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    f, url = fake
-    f.mode = "slow_stream"
+    replica, url = upstream
+    taking(replica, 10.0)  # a slow stream
     await publish_ready(store, [("r0", url)])
     s = settings(session_max_age_s=0.6, reaper_interval_s=0.05)
     async with router_client(s, store_settings) as c:
@@ -844,19 +846,18 @@ async def test_a_client_that_stops_reading_a_stream_loses_its_binding(
 
 
 async def test_requests_in_flight_per_client_and_per_session_are_capped(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Audit findings (issue 11): no per-client quota on requests; one session ran 52
     concurrent requests on a capacity-1 replica. Over a limit → 429 with Retry-After."""
-    f, url = fake
-    f.delay_s = 30.0
+    replica, url = upstream
+    taking(replica, 30.0)
     await publish_ready(store, [("r0", url)], capacity=8)
     s = settings(api_keys=[KEY_A, KEY_B], admin_token=ADMIN, client_max_in_flight=1)
     req = {"model": "rolloutpool", "prompt": "p"}
     async with router_client(s, store_settings) as c:
         held = [asyncio.create_task(c.post("/v1/completions", json=req, headers=auth(KEY_A)))]
-        await asyncio.wait_for(f.received.wait(), 5)
-        f.received.clear()
+        await generating(replica, 1)
         r = await c.post("/v1/completions", json=req, headers=auth(KEY_A))
         assert r.status == 429 and r.headers["Retry-After"] == "1"
         err = (await r.json())["error"]
@@ -865,7 +866,7 @@ async def test_requests_in_flight_per_client_and_per_session_are_capped(
         sid = (await (await c.post("/v1/rollouts", headers=auth(KEY_B))).json())["rollout_id"]
         on_session = {**auth(KEY_B), "X-Rollout-Id": sid}
         held.append(asyncio.create_task(c.post("/v1/completions", json=req, headers=on_session)))
-        await asyncio.wait_for(f.received.wait(), 5)
+        await generating(replica, 2)
         r = await c.post("/v1/completions", json=req, headers={**auth(ADMIN), "X-Rollout-Id": sid})
         assert r.status == 429  # one request per session at a time, whoever sends it
         err = (await r.json())["error"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.models import ensure_model, marker_token
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.standin.engine import EngineDead, SimEngine, SimRequest, TimeModel
 from testkit.standin.weights import Weights, expected_tokens, load_weights
 

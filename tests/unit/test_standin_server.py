@@ -23,7 +23,7 @@ from pool.checkpoint import content_hash, read_manifest
 from pool.engine import VllmEngine
 from pool.errors import AmbiguousMutation
 from pool.types import WeightIdentity
-from testkit.models import ensure_model, marker_token
+from rolloutpool.local.models import ensure_model, marker_token
 from testkit.standin import Faults, ReplicaConfig, StandinFleet, TimeModel, expected_tokens
 from updater.transports import ReloadTransport, WeightsTarget
 

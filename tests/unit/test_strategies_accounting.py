@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.models import EOS
+from rolloutpool.local.models import EOS
 from testkit.scenarios.strategies.models import MARKERS, eos_marker, policy_marker
 from testkit.scenarios.strategies.workload import (
     Piece,

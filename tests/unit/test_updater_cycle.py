@@ -19,7 +19,7 @@ from pool.lifecycle import Lifecycle
 from pool.records import ReplicaReport
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState, WeightIdentity
-from testkit.models import ensure_model
+from rolloutpool.local.models import ensure_model
 from updater.cycle import CycleRunner, Probe, ReplicaHandle, UpdateTarget
 from updater.transports.reload import ReloadTransport
 

@@ -19,8 +19,8 @@ from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord, UpdateStat
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, GenerationRecord, ReplicaState, WeightIdentity
+from rolloutpool.local.models import VOCAB_SIZE, ensure_model
 from router.settings import RouterSettings
-from testkit.models import VOCAB_SIZE, ensure_model
 from updater.api import ProbeSpec, UpdateRequest
 from updater.cycle import Probe, UpdateTarget
 from updater.service import Updater
@@ -207,7 +207,7 @@ async def test_stopping_the_updater_ends_the_cycles_it_started(store: RedisStore
     a taint it could no longer write) and the process did not exit for over 120 s. Here the
     stand-in (conformance-tested against vLLM) is held QUIESCED by a router registration that
     has not verified the failover epoch (the epoch gate waits for every live router)."""
-    from testkit.models import marker_token
+    from rolloutpool.local.models import marker_token
     from testkit.standin import ReplicaConfig as StandinConfig
     from testkit.standin import StandinFleet
 

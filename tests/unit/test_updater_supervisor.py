@@ -14,7 +14,7 @@ from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
-from testkit.models import ensure_model
+from rolloutpool.local.models import ensure_model
 from testkit.standin import ReplicaConfig as StandinConfig
 from testkit.standin import StandinFleet
 from updater.cycle import CycleRunner, ReplicaHandle

@@ -1,9 +1,9 @@
 """Marker checkpoints whose samples end at a random length: per generated token, EOS with
 probability ``p`` and the marker otherwise, at temperature 1 (greedy: always the marker).
 
-Built from :func:`testkit.models.build_marker`'s output (``ensure_model("marker", ...)``, so the
-manifest is the random models' and ``reload_weights`` swaps between any of them) by editing two
-tensors, without torch:
+Built from :func:`rolloutpool.local.models.build_marker`'s output (``ensure_model("marker", ...)``,
+so the manifest is the random models' and ``reload_weights`` swaps between any of them) by editing
+two tensors, without torch:
 
 * every token's embedding becomes the unit vector e0 (the marker recipe only sets column 0 to 1
   and leaves the rest random), so the residual stream, and after the final RMS norm the hidden
@@ -15,7 +15,7 @@ tensors, without torch:
 ``config.json`` carries ``marker_eos_prob`` (vLLM ignores unknown config keys) so the stand-in
 (:mod:`testkit.standin.weights`) samples the same distribution. Cached under the models' cache
 root as ``eos-marker-token<T>-p<p>-<hash of this module's source and the base>``, built in a
-temporary sibling and renamed into place, like :func:`testkit.models.ensure_model`.
+temporary sibling and renamed into place, like :func:`rolloutpool.local.models.ensure_model`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pool.launcher import default_cache_root
-from testkit.models import EOS, HIDDEN, ensure_model, marker_token
+from pool.paths import default_cache_root
+from rolloutpool.local.models import EOS, HIDDEN, ensure_model, marker_token
 
 __all__ = ["MARKERS", "eos_marker", "policy_marker"]
 

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from testkit.models import EOS
+from rolloutpool.local.models import EOS
 from testkit.scenarios.strategies.models import MARKERS, policy_marker
 
 __all__ = [

@@ -1,15 +1,16 @@
-"""Tiny LoRA test models: a base that LoRA adapters steer, and marker adapters (PEFT layout).
+"""Tiny LoRA models: a base that LoRA adapters steer, and marker adapters (PEFT layout).
 
-All are built offline and deterministically, cached by :func:`testkit.models.ensure_model`
-(kinds ``lora-base``, ``lora-marker`` and ``lora-merged``).
+All are built offline and deterministically, cached by
+:func:`rolloutpool.local.models.ensure_model` (kinds ``lora-base``, ``lora-marker`` and
+``lora-merged``).
 
-* :func:`build_lora_base` — the tiny Llama of :mod:`testkit.models` (same manifest) that emits
-  ``marker_token(0)`` for every prompt, and whose output one LoRA on ``o_proj`` can switch to any
-  marker token. ``o_proj``/``down_proj`` are zero and every token's embedding is ``e0``, so
-  without an adapter the residual stream is ``e0`` at every position and the final norm (weight
-  1) gives ``h = sqrt(128)·e0``. ``lm_head`` row ``marker_token(0)`` is ``10·e0``; the row of
-  every marker token ``T`` also holds ``10·u_T``, ``u_T`` a seeded random unit vector on dims
-  1..127 (for any pair of markers ``|u_T·u_T'|`` stays below 0.5). Every other row is zero.
+* :func:`build_lora_base` — the tiny Llama of :mod:`rolloutpool.local.models` (same manifest) that
+  emits ``marker_token(0)`` for every prompt, and whose output one LoRA on ``o_proj`` can switch to
+  any marker token. ``o_proj``/``down_proj`` are zero and every token's embedding is ``e0``, so
+  without an adapter the residual stream is ``e0`` at every position and the final norm (weight 1)
+  gives ``h = sqrt(128)·e0``. ``lm_head`` row ``marker_token(0)`` is ``10·e0``; the row of every
+  marker token ``T`` also holds ``10·u_T``, ``u_T`` a seeded random unit vector on dims 1..127 (for
+  any pair of markers ``|u_T·u_T'|`` stays below 0.5). Every other row is zero.
 * :func:`build_marker_adapter` — a rank-8 LoRA on ``o_proj`` (``lora_alpha`` 8, scale 1) that
   makes the base emit ``T`` for every prompt, greedy or at temperature 1. In layer 0 the input
   of ``o_proj`` is the same vector ``c`` at every position (all embeddings are equal, so
@@ -32,7 +33,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from testkit.models import (
+from rolloutpool.local.models import (
     HIDDEN,
     INTERMEDIATE,
     LAYERS,

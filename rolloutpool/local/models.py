@@ -1,4 +1,4 @@
-"""Tiny test models, built offline and deterministically (no hub, no download).
+"""Tiny Llama models, built offline and deterministically (no hub, no download).
 
 Every model is a ``LlamaForCausalLM`` with 2 layers, hidden 128, 2 heads of dim 64, MLP 256,
 vocab 2048, untied embeddings, 4096 positions (replicas serve 512 unless they ask for more),
@@ -30,7 +30,7 @@ same key both end up using one complete directory.
 
 torch, transformers and tokenizers are imported inside the builders only: importing this module
 is cheap and needs none of them.
-CLI: ``python -m testkit.models --out DIR [--kind random --seed 1]``.
+CLI: ``python -m rolloutpool.local.models --out DIR [--kind random --seed 1]``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pool.launcher import default_cache_root
+from pool.paths import default_cache_root
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -310,13 +310,13 @@ MODEL_KINDS: dict[str, tuple[Builder, dict[str, Any]]] = {
 
 
 def _lora() -> Any:
-    """:mod:`testkit.lora_models` (imported late: it imports this module)."""
-    return importlib.import_module("testkit.lora_models")
+    """:mod:`rolloutpool.local.lora_models` (imported late: it imports this module)."""
+    return importlib.import_module("rolloutpool.local.lora_models")
 
 
 def _code_version(kind: str) -> str:
-    """A hash of the builders' source: this module, and :mod:`testkit.lora_models` for the
-    ``lora-*`` kinds (editing it rebuilds those only)."""
+    """A hash of the builders' source: this module, and :mod:`rolloutpool.local.lora_models` for
+    the ``lora-*`` kinds (editing it rebuilds those only)."""
     here = Path(__file__).resolve()
     blob = here.read_bytes()
     if kind.startswith("lora-"):
@@ -381,9 +381,10 @@ def ensure_model(kind: str, cache_root: Path | None = None, **params: Any) -> Pa
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m testkit.models --out DIR [--kind random|marker] [--seed N] [--token T]``."""
+    """``python -m rolloutpool.local.models --out DIR [--kind random|marker] [--seed N]
+    [--token T]``."""
     ap = argparse.ArgumentParser(
-        prog="python -m testkit.models", description=__doc__.split("\n")[0]
+        prog="python -m rolloutpool.local.models", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--out", type=Path, help="write the model here (default: into the cache)")
     ap.add_argument("--kind", choices=["random", "marker", "tokenizer"], default="random")
