@@ -133,6 +133,13 @@ class LoraRollout:
             if m.handle.lc.state is not S.READY:
                 report.outcome, report.reason = ReplicaOutcome.FAILED, f"{m.handle.lc.state}"
                 return out
+            own = m.handle.lc.generation
+            if own is not None and own.number >= gen.generation.number:
+                # the store said otherwise before the lock was ours: a recovery's catch-up
+                # has loaded and validated it since (loading it again would answer 400,
+                # and the cleanup would unload what the replica serves)
+                report.outcome, report.reason = ReplicaOutcome.READY, f"already on g{own.number}"
+                return out
             try:
                 ev = await self._load_and_validate(m.handle, gen, report)
                 t0 = time.monotonic()

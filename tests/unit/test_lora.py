@@ -389,6 +389,20 @@ async def test_an_update_does_not_wait_for_an_unload_in_flight(store: RedisStore
     assert set(servers["r0"].adapters) == {"rp-3-g3"}
 
 
+async def test_a_replica_already_on_the_generation_is_left_as_it_is(store: RedisStore) -> None:
+    """A reconcile or roll chose the replica from a store read taken before a recovery's
+    catch-up moved it to the generation: under the replica's lock nothing is loaded again
+    (vLLM would answer 400, and the cleanup would unload the adapter it serves)."""
+    servers = {"r0": FakeLoraServer()}
+    lora, replicas = await lora_pool(store, servers)
+    await roll(lora, store, G1)
+    servers["r0"].calls.clear()
+    out = await lora._load_on(replicas["r0"], gen_record(G1))
+    assert out.report.outcome is ReplicaOutcome.READY and "already on g1" in out.report.reason
+    assert servers["r0"].calls == [] and set(servers["r0"].adapters) == {"rp-1-g1"}
+    assert (await store.replica("r0")).state is S.READY
+
+
 async def test_the_bench_times_admitting_from_the_stores_journal(store: RedisStore) -> None:
     """``push_to_all_admitting_s`` ends at the store's time of the last write that made the
     generation admissible everywhere: in a LoRA update the publish, after every replica's move."""
