@@ -21,7 +21,9 @@ tables too, so the page is readable without the script (the tables then as of pa
 
 ``/dashboard/data`` costs one pool read (SMEMBERS, then HGETALL + SCARD per replica, pipelined),
 the published generation, the newest ``UPDATES`` update records and the per-generation admission
-counts: about 2N + 4 Redis commands per call.
+counts: about 2N + 4 Redis commands per call; in a LoRA pool (``generations: lora``) two more
+per replica (what holds its adapters), plus a generation record per older adapter held. A LoRA
+replica's row and grid cell then name its adapters (:func:`pool_view`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ from typing import Any
 
 from aiohttp import web
 
-from pool.errors import StoreError
+from pool.adapters import adapter_name
+from pool.errors import NotFound, StoreError
 from pool.records import ReplicaReport, UpdateRecord
+from pool.store import RedisStore
+from pool.types import Generation, ReplicaRecord
 from pool.web import json_response, public_reason
 from router.keys import SETTINGS, STORE
 
@@ -53,32 +58,66 @@ async def dashboard_data(request: web.Request) -> web.Response:
 
 
 async def _read(request: web.Request) -> dict[str, Any]:
-    store = request.app[STORE]
+    settings = request.app[SETTINGS]
+    return await pool_view(
+        request.app[STORE], settings.max_staleness, lora=settings.generations == "lora"
+    )
+
+
+async def pool_view(store: RedisStore, max_staleness: int, *, lora: bool) -> dict[str, Any]:
+    """What ``/dashboard/data`` answers. In a LoRA pool (``lora``) each replica also has
+    ``adapter``, the adapter it admits new rollouts on (None on the base, g0), and
+    ``adapters``, every adapter something on it still runs on: its own and those of the
+    generations its active rollouts and live router grants hold
+    (:meth:`pool.store.adapters.Adapters.holds`; None where a grant's generation is unknown);
+    the base is listed as ``base``."""
     replicas = await store.replicas()
     latest = await store.latest()
     updates = await store.updates(UPDATES)
     counts = await store.generation_admissions()
+    rows = []
+    for r in replicas:
+        row: dict[str, Any] = {
+            "id": r.replica_id,
+            "state": r.state.value,
+            "generation": r.generation,
+            "active": r.active,
+            "capacity": r.capacity,
+            "reason": public_reason(r.reason),
+        }
+        if lora:
+            row.update(await _adapters(store, r))
+        rows.append(row)
     return {
         "now_ms": int(time.time() * 1000),
         "latest": None
         if latest is None
         else {"generation": latest[0].number, "label": latest[0].label},
-        "max_staleness": request.app[SETTINGS].max_staleness,
-        "replicas": [
-            {
-                "id": r.replica_id,
-                "state": r.state.value,
-                "generation": r.generation,
-                "active": r.active,
-                "capacity": r.capacity,
-                "reason": public_reason(r.reason),
-            }
-            for r in replicas
-        ],
+        "max_staleness": max_staleness,
+        "replicas": rows,
         "admitted_total": sum(counts.values()),
         "admissions": {str(g): n for g, n in sorted(counts.items())},
         "updates": [_update_summary(u) for u in updates],
     }
+
+
+async def _adapters(store: RedisStore, r: ReplicaRecord) -> dict[str, Any]:
+    """A LoRA replica's ``adapter`` and ``adapters`` (see :func:`pool_view`)."""
+    if r.generation is None or r.label is None:
+        return {"adapter": None, "adapters": []}
+    own = Generation(number=r.generation, label=r.label)
+    held = await store.adapters.holds(r.replica_id)
+    if held is None:
+        return {"adapter": adapter_name(own), "adapters": None}
+    names = {own.number: adapter_name(own) or "base"}
+    for g in held - {own.number}:
+        try:
+            rec = await store.generation_record(g)
+        except NotFound:  # its record was pruned: the number names it
+            names[g] = f"g{g}"
+            continue
+        names[g] = adapter_name(rec.generation) or "base"
+    return {"adapter": adapter_name(own), "adapters": [names[g] for g in sorted(names)]}
 
 
 def _update_summary(u: UpdateRecord) -> dict[str, Any]:
@@ -132,7 +171,8 @@ async def dashboard(request: web.Request) -> web.Response:
     rows = "\n".join(
         f'<tr><td>{esc(r["id"])}</td><td class="{esc(r["state"])}">{esc(r["state"])}</td>'
         f"<td>{'-' if r['generation'] is None else r['generation']}</td>"
-        f"<td>{r['active']} / {r['capacity']}</td><td>{esc(r['reason'])}</td></tr>"
+        f"<td>{r['active']} / {r['capacity']}</td><td>{esc(_adapter_text(r))}</td>"
+        f"<td>{esc(r['reason'])}</td></tr>"
         for r in data["replicas"]
     )
     cells = "".join(
@@ -157,6 +197,13 @@ async def dashboard(request: web.Request) -> web.Response:
     # one pass, so text from the store can never be taken for a placeholder
     page = re.sub(r"@([A-Z]+)@", lambda m: fills[m.group(1)], _PAGE)
     return web.Response(text=page, content_type="text/html")
+
+
+def _adapter_text(row: dict[str, Any]) -> str:
+    """The adapters column of a replica row: '-' outside a LoRA pool, '?' where unknown."""
+    if "adapters" not in row:
+        return "-"
+    return "?" if row["adapters"] is None else ", ".join(row["adapters"])
 
 
 def _script_json(data: dict[str, Any]) -> str:
@@ -210,7 +257,7 @@ details { margin-top: 1em; } summary { cursor: pointer; font-weight: 600; }
 </table>
 <details><summary>All replicas</summary>
 <table id="replicas"><tr><th>replica</th><th>state</th><th>generation</th>
-<th>active / capacity</th><th>reason</th></tr>
+<th>active / capacity</th><th>adapters</th><th>reason</th></tr>
 @ROWS@
 </table></details>
 <details><summary>Replica updates with phase timings (as of page load)</summary>
@@ -281,7 +328,8 @@ function drawGrid(d) {
     c.style.background = cellColor(r, latest);
     c.textContent = r.generation === null ? "" : r.generation % 100;
     c.title = r.id + ": " + r.state + ", generation " + r.generation + ", " + r.active +
-      " / " + r.capacity + (r.reason ? " (" + r.reason + ")" : "");
+      " / " + r.capacity + ("adapters" in r ? ", adapters " + adapterText(r) : "") +
+      (r.reason ? " (" + r.reason + ")" : "");
   });
   const seen = [...new Set(d.replicas.map((r) => r.state))].sort();
   const items = [["READY, published", "#1a7f37"], ["READY, one behind", "#8cc265"],
@@ -382,13 +430,18 @@ function drawUpdates() {
   while (t.rows.length > 1) t.deleteRow(1);
   t.insertAdjacentHTML("beforeend", rows.join(""));
 }
+function adapterText(r) {  // as _adapter_text on the server
+  if (!("adapters" in r)) return "-";
+  return r.adapters === null ? "?" : r.adapters.join(", ");
+}
 function drawTables(d) {
   const t = $("replicas");
   while (t.rows.length > 1) t.deleteRow(1);
   t.insertAdjacentHTML("beforeend", d.replicas.map((r) => "<tr><td>" + esc(r.id) +
     '</td><td class="' + esc(r.state) + '">' + esc(r.state) + "</td><td>" +
     (r.generation === null ? "-" : r.generation) + "</td><td>" + r.active + " / " +
-    r.capacity + "</td><td>" + esc(r.reason) + "</td></tr>").join(""));
+    r.capacity + "</td><td>" + esc(adapterText(r)) + "</td><td>" + esc(r.reason) +
+    "</td></tr>").join(""));
   const g = $("generations");
   while (g.rows.length > 1) g.deleteRow(1);
   g.insertAdjacentHTML("beforeend", Object.entries(d.admissions).reverse().map(([k, v]) =>

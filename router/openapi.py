@@ -98,6 +98,17 @@ DASHBOARD_DATA = {
                     "active": {"type": "integer"},
                     "capacity": {"type": "integer"},
                     "reason": {"type": "string"},
+                    "adapter": {
+                        "type": ["string", "null"],
+                        "description": "a LoRA pool: the adapter it admits new rollouts on "
+                        "(null: the base model, generation 0)",
+                    },
+                    "adapters": {
+                        "type": ["array", "null"],
+                        "items": {"type": "string"},
+                        "description": "a LoRA pool: every adapter something on it still runs "
+                        "on ('base' for generation 0; null: a grant's generation is unknown)",
+                    },
                 },
             },
         },

@@ -39,8 +39,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from pool.adapters import adapter_name
 from pool.errors import LimitReached, NotFound, StoreError
-from pool.types import Binding, BindingState, ReplicaRecord, ReplicaState
+from pool.types import Binding, BindingState, Generation, ReplicaRecord, ReplicaState
 from pool.web import CLIENT, Conflict, RouteNotFound, json_response, read_json_object
 from router import limits
 from router.bindings import Settled, Settlement, shielded
@@ -156,7 +157,20 @@ async def get_rollout(request: web.Request) -> web.Response:
     rollout_id = request.match_info["rollout_id"]
     await shielded(request.app[RECORDER].flushed(rollout_id))
     b = await _binding(request, rollout_id)
-    return json_response(b.model_dump(mode="json"), headers=RolloutInfo.of_binding(b).headers())
+    return json_response(
+        provenance(b, lora=request.app[SETTINGS].generations == "lora"),
+        headers=RolloutInfo.of_binding(b).headers(),
+    )
+
+
+def provenance(b: Binding, *, lora: bool) -> dict[str, object]:
+    """The provenance record of ``b`` as ``GET /v1/rollouts/{id}`` answers it: the binding, and
+    in a LoRA pool (``lora``) ``adapter``, the adapter its generation ran on (None: the base,
+    generation 0)."""
+    out: dict[str, object] = b.model_dump(mode="json")
+    if lora:
+        out["adapter"] = adapter_name(Generation(number=b.generation, label=b.label))
+    return out
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -263,6 +277,7 @@ __all__ = [
     "get_rollout",
     "heartbeat",
     "open_session",
+    "provenance",
     "resolve",
     "session_lease_s",
 ]

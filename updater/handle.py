@@ -53,7 +53,7 @@ class ReplicaHandle:
         """The serving process's identity now: the engine's report (None if it reports none)
         with the provider's. Raises :class:`~pool.errors.EngineError` when the engine does not
         answer within ``timeout_s``."""
-        engine = (await self.engine.metrics(timeout_s=timeout_s)).process
+        engine = await self.engine.process_identity(timeout_s=timeout_s)
         if engine is None:
             return None
         provider = await self.provider_identity() if self.provider_identity else None

@@ -38,8 +38,9 @@ record, loaded from scratch and validated as any bootstrap), then :meth:`LoraRol
 loads the live generations' adapters (``latest - max_staleness`` .. ``latest``), admitting
 each in turn once validated as in an update.
 
-Concurrency: one instance per updater; each replica's steps run under its ``ManagedReplica``
-lock, so they never overlap a recovery of that replica.
+Concurrency: one instance per updater; each replica's loads run under its ``ManagedReplica``
+lock, so they never overlap a recovery of that replica. Retiring takes no lock
+(:meth:`LoraRollout.retire` says why that is safe): an update never waits for an unload.
 """
 
 from __future__ import annotations
@@ -126,9 +127,18 @@ class LoraRollout:
     async def _load_on(self, m: ManagedReplica, gen: GenerationRecord) -> _Loaded:
         report = ReplicaReport(replica=m.id, generation=gen.generation.number)
         out = _Loaded(m, report)
+        t0 = time.monotonic()
         async with m.lock:
+            report.phases["wait"] = time.monotonic() - t0  # another step held the replica
             if m.handle.lc.state is not S.READY:
                 report.outcome, report.reason = ReplicaOutcome.FAILED, f"{m.handle.lc.state}"
+                return out
+            own = m.handle.lc.generation
+            if own is not None and own.number >= gen.generation.number:
+                # the store said otherwise before the lock was ours: a recovery's catch-up
+                # has loaded and validated it since (loading it again would answer 400,
+                # and the cleanup would unload what the replica serves)
+                report.outcome, report.reason = ReplicaOutcome.READY, f"already on g{own.number}"
                 return out
             try:
                 ev = await self._load_and_validate(m.handle, gen, report)
@@ -296,18 +306,23 @@ class LoraRollout:
     async def retire(self, only: Iterable[str] | None = None) -> dict[str, list[str]]:
         """Unload, on every READY replica (or those in ``only``), the adapters nothing needs any
         more (module docstring). Replicas busy with another step are skipped this round.
-        Returns what was unloaded, by replica."""
+        Returns what was unloaded, by replica.
+
+        Retiring takes no replica lock, so an update never waits for an unload: what it
+        unloads is below ``latest - max_staleness`` and the replica's own generation, hence
+        below every adapter an update, a catch-up or a reconcile loads (the latest or newer),
+        and no new binding or grant can come to hold it (it is not admissible). An unload that
+        meets a recovered process finds nothing (404)."""
         latest = await self._latest_number()
         out: dict[str, list[str]] = {}
         for rid in list(only) if only is not None else list(self.replicas):
             m = self.replicas[rid]
             if m.lock.locked():
                 continue
-            async with m.lock:
-                try:
-                    out[rid] = await self._retire_on(m, latest)
-                except RolloutPoolError as e:
-                    log.warning("retiring adapters on %s: %s", rid, e)
+            try:
+                out[rid] = await self._retire_on(m, latest)
+            except RolloutPoolError as e:
+                log.warning("retiring adapters on %s: %s", rid, e)
         return out
 
     async def _retire_on(self, m: ManagedReplica, latest: int) -> list[str]:

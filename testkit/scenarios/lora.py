@@ -18,7 +18,10 @@ Measured:
 * ``min_admitting_replicas``: sampled every 20 ms from the store (READY on an admissible
   generation: at least ``latest - max_staleness``), over the whole run;
 * ``push_to_all_admitting_s``: per push, from the submit to every replica READY on the new
-  generation with the generation published (polled every 5 ms);
+  generation with the generation published, at the store's time of the last of those writes
+  (the journal's timestamps: :func:`admitting_at`); ``observed_push_to_all_admitting_s``: the
+  same until a poller in this process (every 10 ms) saw it, which adds this process's delay
+  (it also runs the updater and the load generator);
 * ``throughput_through_updates_over_steady``: completed rollouts/s in the update phase over
   the steady phase (the phases are equally long);
 * ``prefix_control``: on one replica, a 300-token prompt sent with one ``cache_salt`` through
@@ -190,9 +193,31 @@ async def _sampler(store: RedisStore, p: Params, run: Run, stop: asyncio.Event) 
         await asyncio.sleep(0.02)
 
 
+async def admitting_at(store: RedisStore, g: int, since_ms: int, replicas: int) -> int | None:
+    """The store's time (Redis ms) at which generation ``g`` was admitting on every one of
+    ``replicas`` replicas: the later of its publish and each replica's first move into READY on
+    it, from the journal written since ``since_ms``; None if that has not happened."""
+    published: int | None = None
+    ready: dict[str, int] = {}
+    for e in await store.journal(start=str(since_ms)):
+        f, ts = e.fields, int(e.fields.get("ts", 0))
+        if f.get("generation") != str(g):
+            continue
+        if e.type == "publish" and published is None:
+            published = ts
+        elif e.type == "transition" and f.get("to") == S.READY.value:
+            ready.setdefault(f.get("replica", ""), ts)
+    if published is None or len(ready) < replicas:
+        return None
+    return max(published, *ready.values())
+
+
 async def push(up: Updater, store: RedisStore, path: Path, g: int) -> dict[str, Any]:
-    """Push ``path`` as generation ``g``; returns the update record plus ``all_admitting_s``."""
-    t0 = time.monotonic()
+    """Push ``path`` as generation ``g``; returns the update record plus ``all_admitting_s``
+    (from the submit to :func:`admitting_at`), ``observed_all_admitting_s`` (until a poller
+    here, every 10 ms, saw it in the store: that adds this process's own delay) and
+    ``submit_s`` (the submit call)."""
+    t0, t0_ms = time.monotonic(), int(time.time() * 1000)
     rec = await up.submit(
         UpdateRequest(
             checkpoint=str(path),
@@ -203,24 +228,28 @@ async def push(up: Updater, store: RedisStore, path: Path, g: int) -> dict[str, 
             ),
         )
     )
-    admitting: float | None = None
+    submit_s = time.monotonic() - t0
+    observed: float | None = None
     while time.monotonic() - t0 < 120:
-        if admitting is None:
+        if observed is None:
             latest, recs = await asyncio.gather(store.latest(), store.replicas())
             if (
                 latest is not None
                 and latest[0].number >= rec.generation
                 and all(r.state is S.READY and r.generation == rec.generation for r in recs)
             ):
-                admitting = time.monotonic() - t0
+                observed = time.monotonic() - t0
         cur = await up.get(rec.id)
-        if cur.state.value in ("succeeded", "failed", "superseded") and admitting is not None:
+        if cur.state.value in ("succeeded", "failed", "superseded") and observed is not None:
             break
         if cur.state.value in ("failed", "superseded"):
             break
         await asyncio.sleep(0.01)
     out = (await up.get(rec.id)).model_dump(mode="json")
-    out["all_admitting_s"] = None if admitting is None else round(admitting, 4)
+    at = await admitting_at(store, rec.generation, t0_ms, len(up.replicas))
+    out["all_admitting_s"] = None if observed is None or at is None else (at - t0_ms) / 1000
+    out["observed_all_admitting_s"] = None if observed is None else round(observed, 4)
+    out["submit_s"] = round(submit_s, 4)
     return out
 
 
@@ -241,6 +270,30 @@ async def prefix_control(url: str, g: int) -> dict[str, Any]:
         return out
 
 
+async def _prefix_or_why(
+    up: Updater, store: RedisStore, url: str, g: int, rid: str, replica: str
+) -> dict[str, Any]:
+    """:func:`prefix_control`, or a RuntimeError saying what the pool held when it failed."""
+    try:
+        return await prefix_control(url, g)
+    except Exception as e:  # diagnostics for a failed control
+        binding = await store.binding(rid)
+        served = {
+            m.id: await served_adapters(m.handle.engine, timeout_s=10) for m in up.replicas.values()
+        }
+        raise RuntimeError(
+            f"control failed on {replica}: {e}; session binding {binding}; "
+            f"served {served}; holds {await store.adapters.holds(replica)}"
+        ) from e
+
+
+async def _heartbeat(http: httpx.AsyncClient, rid: str) -> None:
+    """Keep session ``rid``'s lease while it holds its generation without requests."""
+    while True:
+        await http.post(f"/v1/rollouts/{rid}/heartbeat")
+        await asyncio.sleep(1.0)
+
+
 async def _control(up: Updater, store: RedisStore, url: str, p: Params, g: int) -> dict[str, Any]:
     """The prefix-cache control: a session holds g-1 on its replica while g is pushed beside
     it; then what the pool unloads once the session closed."""
@@ -253,20 +306,13 @@ async def _control(up: Updater, store: RedisStore, url: str, p: Params, g: int) 
             headers={"X-Rollout-Id": rid},
         )
         replica = turn.json()["rollout"]["replica"]
-        pushed = await push(up, store, checkpoint(p, g), g)
-        rec = await store.replica(replica)
+        beat = asyncio.create_task(_heartbeat(http, rid))  # the control outlasts a lease
         try:
-            control = await prefix_control(rec.url, g - 1)
-        except Exception as e:  # diagnostics for a failed control
-            binding = await store.binding(rid)
-            served = {
-                m.id: await served_adapters(m.handle.engine, timeout_s=10)
-                for m in up.replicas.values()
-            }
-            raise RuntimeError(
-                f"control failed on {replica}: {e}; session binding {binding}; "
-                f"served {served}; holds {await store.adapters.holds(replica)}"
-            ) from e
+            pushed = await push(up, store, checkpoint(p, g), g)
+            rec = await store.replica(replica)
+            control = await _prefix_or_why(up, store, rec.url, g - 1, rid, replica)
+        finally:
+            beat.cancel()
         await http.post(f"/v1/rollouts/{rid}/close")
     retired_wait = time.monotonic()
     while time.monotonic() - retired_wait < 10:  # the session's g goes once it closed
@@ -388,6 +434,11 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         steady = run.rate(t_steady, t_updates)
         through = run.rate(t_updates, t_end)
         admitting = [u["all_admitting_s"] for u in updates if u["all_admitting_s"] is not None]
+        observed = [
+            u["observed_all_admitting_s"]
+            for u in updates
+            if u["observed_all_admitting_s"] is not None
+        ]
         return {
             "mode": p.mode,
             "updates": sum(1 for u in updates if u["state"] == "succeeded"),
@@ -409,6 +460,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             ),
             "push_to_all_admitting_s": max(admitting) if admitting else None,
             "push_to_all_admitting_s_each": admitting,
+            "observed_push_to_all_admitting_s": max(observed, default=None),
+            "observed_push_to_all_admitting_s_each": observed,
             "warmup_push_to_all_admitting_s": [u["all_admitting_s"] for u in warmup],
             "update_phases": [u["replicas"] for u in updates[:2]],
             **result,

@@ -6,6 +6,7 @@ call and hold adapters as vLLM does). The same on real vLLM CPU: tests/integrati
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from rolloutpool.local.models import ensure_model
 from router.provenance import check_response
 from router.proxy import upstream_body
 from router.upstream import ReplicaInfo
+from testkit.scenarios.lora import admitting_at
 from updater.config import ReplicaConfig
 from updater.cycle import CycleRunner, ReplicaHandle
 from updater.lora import LoraRollout
@@ -41,7 +43,7 @@ from updater.replicas import ManagedReplica
 from updater.transports.reload import ReloadTransport
 
 S = ReplicaState
-G0, G1, G2 = (Generation(number=n, label=f"g{n}") for n in range(3))
+G0, G1, G2, G3 = (Generation(number=n, label=f"g{n}") for n in range(4))
 BASE = ensure_model("random", seed=1)
 MANIFEST = read_manifest(BASE)
 O_PROJ = "base_model.model.model.layers.{}.self_attn.o_proj.lora_{}.weight"
@@ -230,17 +232,28 @@ class FakeLoraServer:
     ) -> None:
         self.adapters: dict[str, str] = {}
         self.calls: list[str] = []
+        self.metrics_queries: list[str] = []
         self.load_status = load_status
         self.listed_after_failure = listed_after_failure
         self.broken = broken  # a failed load leaves the base answering something else
         self.failed = False
+        #: set: the next unload waits for it (``unloading`` is set once that unload arrived)
+        self.hold_unload: asyncio.Event | None = None
+        self.unloading = asyncio.Event()
         self.engine = VllmEngine(
-            "http://vllm.test", timeout=2.0, transport=httpx.MockTransport(self.handle)
+            "http://vllm.test", timeout=30.0, transport=httpx.MockTransport(self.serve)
         )
 
     @staticmethod
     def marker(model: str) -> int:
         return 100 + int(model.split("-")[1]) if model.startswith("rp-") else 100
+
+    async def serve(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/unload_lora_adapter" and self.hold_unload is not None:
+            hold, self.hold_unload = self.hold_unload, None
+            self.unloading.set()
+            await hold.wait()
+        return self.handle(request)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -271,7 +284,8 @@ class FakeLoraServer:
             ids = [self.marker(model) + int(self.broken and self.failed)] * body["max_tokens"]
             return httpx.Response(200, json={"model": model, "choices": [{"token_ids": ids}]})
         if path == "/metrics":
-            return httpx.Response(200, text="vllm:num_requests_running 0\n")
+            self.metrics_queries.append(str(request.url.params))
+            return httpx.Response(200, text="process_start_time_seconds 1.7e9\n")
         return httpx.Response(404, json={"error": path})
 
 
@@ -351,6 +365,61 @@ async def test_a_roll_loads_beside_validates_admits_publishes_and_retires(
     # the order on each replica: listed, loaded, probed through the adapter, then admitted
     calls = servers["r1"].calls
     assert calls.index("/v1/load_lora_adapter rp-1-g1") < calls.index("/v1/completions")
+    # the process check scrapes only the process's start time, not all of /metrics
+    assert servers["r1"].metrics_queries
+    assert set(servers["r1"].metrics_queries) == {"name%5B%5D=process_start_time_seconds"}
+
+
+async def test_an_update_does_not_wait_for_an_unload_in_flight(store: RedisStore) -> None:
+    servers = {"r0": FakeLoraServer()}
+    lora, _ = await lora_pool(store, servers)
+    await roll(lora, store, G1)
+    await store.admit("ro-g1", "r0")  # a rollout on g1 keeps rp-1-g1 through the next roll
+    await roll(lora, store, G2)
+    assert set(servers["r0"].adapters) == {"rp-1-g1", "rp-2-g2"}
+    await store.release("ro-g1", "r0")
+    servers["r0"].hold_unload = release = asyncio.Event()
+    retiring = asyncio.create_task(lora.retire())
+    await servers["r0"].unloading.wait()  # the unload of rp-1-g1 is in flight, unanswered
+    rec = await asyncio.wait_for(roll(lora, store, G3), 30)  # without waiting for it
+    assert rec.replicas["r0"].outcome is ReplicaOutcome.READY
+    assert (await store.replica("r0")).generation == 3 and not retiring.done()
+    release.set()
+    assert await retiring == {"r0": ["rp-1-g1"]}
+    assert set(servers["r0"].adapters) == {"rp-3-g3"}
+
+
+async def test_a_replica_already_on_the_generation_is_left_as_it_is(store: RedisStore) -> None:
+    """A reconcile or roll chose the replica from a store read taken before a recovery's
+    catch-up moved it to the generation: under the replica's lock nothing is loaded again
+    (vLLM would answer 400, and the cleanup would unload the adapter it serves)."""
+    servers = {"r0": FakeLoraServer()}
+    lora, replicas = await lora_pool(store, servers)
+    await roll(lora, store, G1)
+    servers["r0"].calls.clear()
+    out = await lora._load_on(replicas["r0"], gen_record(G1))
+    assert out.report.outcome is ReplicaOutcome.READY and "already on g1" in out.report.reason
+    assert servers["r0"].calls == [] and set(servers["r0"].adapters) == {"rp-1-g1"}
+    assert (await store.replica("r0")).state is S.READY
+
+
+async def test_the_bench_times_admitting_from_the_stores_journal(store: RedisStore) -> None:
+    """``push_to_all_admitting_s`` ends at the store's time of the last write that made the
+    generation admissible everywhere: in a LoRA update the publish, after every replica's move."""
+    servers = {"r0": FakeLoraServer(), "r1": FakeLoraServer(load_status=500)}
+    lora, _ = await lora_pool(store, servers)
+    since = (await store.journal())[-1].id.split("-")[0]
+    assert await admitting_at(store, 1, int(since), 2) is None  # nothing happened yet
+    await roll(lora, store, G1)
+    assert await admitting_at(store, 1, int(since), 2) is None  # r1 refused it: not everywhere
+    servers["r1"].load_status = 200
+    await lora.reconcile()  # r1 moves to g1 after the publish
+    entries = [e for e in await store.journal(start=since) if e.fields.get("generation") == "1"]
+    publish = next(e for e in entries if e.type == "publish")
+    r1 = next(e for e in entries if e.fields.get("replica") == "r1" and e.type == "transition")
+    assert int(r1.fields["ts"]) >= int(publish.fields["ts"])
+    assert await admitting_at(store, 1, int(since), 2) == int(r1.fields["ts"])
+    assert await admitting_at(store, 1, int(since), 1) is not None
 
 
 async def test_a_refused_load_leaves_the_replica_serving_its_generation(
