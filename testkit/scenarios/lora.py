@@ -57,7 +57,7 @@ from rolloutpool.local.models import ensure_model, marker_token
 from testkit.harness import local_launcher
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
-from testkit.scenarios.rolling import start_router, wait_http
+from testkit.scenarios.rolling import observer_store, start_router, wait_http
 from updater.api import ProbeSpec, UpdateRequest
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
@@ -384,7 +384,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         await asyncio.to_thread(checkpoint, p, g)
     shutil.rmtree(workdir / "redis", ignore_errors=True)  # generation numbers start at 0
     redis = RedisServer(workdir / "redis").start()
-    store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
+    store = observer_store(redis.url, NAMESPACE)  # the scenario's own reads
+    updater_store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
     settings = UpdaterSettings(
         replicas=_replicas(workdir, base, p),
         generations="lora" if p.mode == "lora" else "weights",
@@ -393,7 +394,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         health_interval_s=0.5,
         retire_interval_s=0.5,
     )
-    up = Updater(settings, store)
+    up = Updater(settings, updater_store)
     routers = []
     run = Run()
     stop = asyncio.Event()
@@ -475,5 +476,6 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             terminate(proc)
         with contextlib.suppress(Exception):
             await up.stop()
+        await updater_store.close()
         await store.close()
         redis.stop()

@@ -220,11 +220,11 @@ async def load(url: str, p: Params, run: Run, stop: asyncio.Event, seed: int) ->
 OBSERVER_SOCKET_TIMEOUT_S = 60.0
 
 
-def observer_store(redis_url: str) -> RedisStore:
-    """A client of the scenario's namespace for the scenario's own reads (see
+def observer_store(redis_url: str, namespace: str = NAMESPACE) -> RedisStore:
+    """A client of a scenario's namespace for the scenario's own reads (see
     :data:`OBSERVER_SOCKET_TIMEOUT_S`); the caller closes it."""
     settings = StoreSettings(
-        url=redis_url, namespace=NAMESPACE, socket_timeout_s=OBSERVER_SOCKET_TIMEOUT_S
+        url=redis_url, namespace=namespace, socket_timeout_s=OBSERVER_SOCKET_TIMEOUT_S
     )
     return RedisStore.connect(settings)
 
