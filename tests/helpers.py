@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -98,3 +99,21 @@ async def queued(replica: StandinReplica, count: int = 1) -> None:
         return len(engine.waiting) >= count
 
     await until(waiting)
+
+
+#: Sockets that hold the ports :func:`refused_port` hands out, for the test process's lifetime.
+_HELD: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A local port whose connections are refused for as long as this process lives.
+
+    The port is bound here and never listened on, so no other process can take it: a port that
+    was merely free when asked (``free_port``) can be taken by a server another test starts
+    meanwhile, and a test that expected "unreachable" then talks to that server.
+    """
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    port: int = s.getsockname()[1]
+    return port

@@ -34,7 +34,6 @@ from click.testing import CliRunner, Result
 from safetensors.numpy import save_file
 
 from pool.checkpoint import read_manifest
-from pool.launcher import free_port
 from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord, UpdateState
 from pool.settings import StoreSettings
 from pool.store import RedisStore
@@ -45,6 +44,7 @@ from rolloutpool.cli import cli
 from rolloutpool.errors import ExitCode
 from router.settings import RouterSettings
 from testkit.harness import G0, RunningRouter, publish_ready, serve_router
+from tests.helpers import refused_port
 from updater.app import create_api
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
@@ -254,7 +254,7 @@ async def pool(
     shutil.copytree(model, checkpoint)
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "expected_token_ids": [8]}))
-    replica = ReplicaConfig(id="r0", url=f"http://127.0.0.1:{free_port()}", model=model)
+    replica = ReplicaConfig(id="r0", url=f"http://127.0.0.1:{refused_port()}", model=model)
     settings = UpdaterSettings(admin_token=TOKEN, replicas=[replica])
     updater_store = RedisStore.connect(store_settings)
     updater = Updater(settings, updater_store)
@@ -472,7 +472,7 @@ async def test_a_wrong_or_missing_token_exits_5(pool: Pool) -> None:
 
 async def test_an_unreachable_updater_exits_4(pool: Pool) -> None:
     args = push_args(pool)
-    args[3] = f"http://127.0.0.1:{free_port()}"
+    args[3] = f"http://127.0.0.1:{refused_port()}"
     r = await asyncio.to_thread(invoke, args)
     assert r.exit_code == ExitCode.UNREACHABLE == 4
     assert "cannot reach the updater at http://127.0.0.1:" in one_error_line(r)
@@ -545,7 +545,7 @@ async def test_status_with_the_token_shows_the_last_update(pool: Pool) -> None:
 
 async def test_status_says_when_the_last_update_is_not_available(pool: Pool) -> None:
     args = status_args(pool, "--token", TOKEN)
-    args[4] = f"http://127.0.0.1:{free_port()}"
+    args[4] = f"http://127.0.0.1:{refused_port()}"
     r = await asyncio.to_thread(invoke, args)
     assert r.exit_code == 0
     assert "last update  unavailable: cannot reach the updater at http://127.0.0.1:" in r.stdout
@@ -553,7 +553,7 @@ async def test_status_says_when_the_last_update_is_not_available(pool: Pool) -> 
 
 async def test_status_of_an_unreachable_router_exits_4(pool: Pool) -> None:
     r = await asyncio.to_thread(
-        invoke, ["status", "--router", f"http://127.0.0.1:{free_port()}/v1"]
+        invoke, ["status", "--router", f"http://127.0.0.1:{refused_port()}/v1"]
     )
     assert r.exit_code == ExitCode.UNREACHABLE
     assert "cannot reach the router at http://127.0.0.1:" in one_error_line(r)

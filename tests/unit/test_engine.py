@@ -15,6 +15,7 @@ import pytest
 
 from pool.engine import Capabilities, VllmEngine, parse_version
 from pool.errors import AmbiguousMutation, NoMutation
+from tests.helpers import refused_port
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -68,9 +69,7 @@ async def test_connect_error_is_no_mutation_even_for_mutating_calls() -> None:
 
 
 async def test_connect_refused_on_a_real_closed_port_is_no_mutation() -> None:
-    from pool.launcher import free_port
-
-    engine = VllmEngine(f"http://127.0.0.1:{free_port()}", timeout=2.0)
+    engine = VllmEngine(f"http://127.0.0.1:{refused_port()}", timeout=2.0)
     with pytest.raises(NoMutation):
         await engine.pause("wait")
     await engine.aclose()

@@ -13,8 +13,8 @@ from rolloutpool.local.models import ensure_model
 from router.health import PassiveHealth
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
-from testkit.redis_server import free_port
 from testkit.standin import ReplicaConfig, StandinFleet
+from tests.helpers import refused_port
 
 
 class Clock:
@@ -62,7 +62,7 @@ async def test_a_dead_ready_replica_stops_costing_502s(
     model = ensure_model("random", seed=1)
     async with StandinFleet() as fleet:
         (live,) = await fleet.add_many([ReplicaConfig(model=model, served_model_name="m")])
-        dead = f"http://127.0.0.1:{free_port()}"
+        dead = f"http://127.0.0.1:{refused_port()}"
         await publish_ready(store, [("r-live", live.url), ("r-dead", dead)])
         settings = RouterSettings(admission_wait_s=2.0)
         statuses: Counter[int] = Counter()

@@ -16,7 +16,8 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client
-from testkit.redis_server import RedisServer, free_port
+from testkit.redis_server import RedisServer
+from tests.helpers import refused_port
 
 KEY = "sk-client-SECRET-1111"
 ADMIN = "adm-SECRET-2222"
@@ -228,7 +229,7 @@ async def test_healthz_follows_redis_and_admission_fails_closed(tmp_path: Path) 
 
 
 async def test_unreachable_store_never_hangs() -> None:
-    ss = StoreSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.5)
+    ss = StoreSettings(url=f"redis://127.0.0.1:{refused_port()}/0", socket_timeout_s=0.5)
     async with router_client(settings(), ss) as c:
         t0 = time.monotonic()
         r = await c.post("/v1/completions", json=COMPLETION, headers=AUTH)

@@ -24,7 +24,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore, Terms
 from pool.types import BindingState, Generation, GenerationRecord, ReplicaState, WeightIdentity
 from testkit.redis_server import free_port
-from tests.helpers import active_rollouts, begin_drain, generation_outcomes
+from tests.helpers import active_rollouts, begin_drain, generation_outcomes, refused_port
 
 S = ReplicaState
 G0, G1 = Generation(number=0, label="g0"), Generation(number=1, label="g1")
@@ -317,7 +317,7 @@ async def test_declare_generation_is_write_once_and_monotonic(store: RedisStore)
 
 async def test_admissions_fail_closed_when_redis_is_unreachable() -> None:
     store = RedisStore.connect(
-        StoreSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.5)
+        StoreSettings(url=f"redis://127.0.0.1:{refused_port()}/0", socket_timeout_s=0.5)
     )
     try:
         with pytest.raises(StoreUnavailable) as e:

@@ -24,7 +24,8 @@ from pool.store import RedisStore
 from pool.types import Generation, GenerationRecord, WeightIdentity
 from pool.web import start_server
 from testkit.harness import publish_ready
-from testkit.redis_server import RedisServer, free_port
+from testkit.redis_server import RedisServer
+from tests.helpers import refused_port
 from updater.app import UPDATER, create_app
 from updater.settings import ReplicaConfig, UpdaterSettings
 
@@ -41,7 +42,7 @@ def settings(tmp_path: Path) -> UpdaterSettings:
     model = tmp_path / "model"
     model.mkdir()
     save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(model / "model.safetensors"))
-    replica = ReplicaConfig(id="r0", url=f"http://127.0.0.1:{free_port()}", model=model)
+    replica = ReplicaConfig(id="r0", url=f"http://127.0.0.1:{refused_port()}", model=model)
     return UpdaterSettings(replicas=[replica], health_interval_s=0.2)
 
 

@@ -21,7 +21,7 @@ from pool.store import RedisStore
 from router.app import create_app as create_router
 from router.settings import RouterSettings
 from testkit.harness import publish_ready
-from testkit.redis_server import free_port
+from tests.helpers import refused_port
 from updater.app import create_api
 from updater.service import Updater
 from updater.settings import ReplicaConfig, UpdaterSettings
@@ -50,7 +50,9 @@ def updater_service(model: Path) -> Service:
         settings = UpdaterSettings(
             admin_token=admin,
             max_staleness=1,
-            replicas=[ReplicaConfig(id="r0", url=f"http://127.0.0.1:{free_port()}", model=model)],
+            replicas=[
+                ReplicaConfig(id="r0", url=f"http://127.0.0.1:{refused_port()}", model=model)
+            ],
         )
         store = RedisStore.connect(store_settings)
         try:
@@ -123,7 +125,7 @@ async def test_http_errors_answer_alike(store_settings: StoreSettings, service: 
 
 
 async def test_unreachable_store_answers_alike(service: Svc) -> None:
-    ss = StoreSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.5)
+    ss = StoreSettings(url=f"redis://127.0.0.1:{refused_port()}/0", socket_timeout_s=0.5)
     auth = {"Authorization": f"Bearer {ADMIN}"}
     async with service.open(ss, ADMIN) as c:
         r = await c.get("/v1/pool", headers=auth)
@@ -197,7 +199,7 @@ async def test_redis_memory_is_on_both_services_metrics(
     assert sample(text, "rolloutpool_redis_maxmemory_bytes") == 3 << 30
     used = sample(text, "rolloutpool_redis_used_memory_bytes")
     assert 0 < used < 3 << 30
-    ss = StoreSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.5)
+    ss = StoreSettings(url=f"redis://127.0.0.1:{refused_port()}/0", socket_timeout_s=0.5)
     async with service.open(ss, ADMIN) as c:
         text = await (await c.get("/metrics")).text()
     assert sample(text, "rolloutpool_redis_up") == 0.0
