@@ -33,6 +33,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pool.types import DTYPE_BYTES
+
 __all__ = [
     "ALIGN_BYTES",
     "HEADER_BYTES",
@@ -50,21 +52,6 @@ __all__ = [
 HEADER_BYTES = 256  #: bytes before the first tensor (the tag at offset 0)
 ALIGN_BYTES = 16  #: every tensor starts at a multiple of this offset (16-byte vector loads)
 
-_DTYPE_BYTES = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
 
 def _torch() -> Any:
     return importlib.import_module("torch")
@@ -81,9 +68,9 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        if self.dtype not in _DTYPE_BYTES:
+        if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"{self.name}: dtype {self.dtype} cannot be staged")
-        return math.prod(self.shape) * _DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
     def to_json(self) -> list[Any]:
         return [self.name, self.dtype, list(self.shape), self.offset]

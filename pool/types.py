@@ -48,12 +48,34 @@ class Generation(_Frozen):
         return Generation(number=n, label=label or f"g{n}")
 
 
+#: Bytes per element of each dtype a checkpoint's tensors may have, by torch attribute name.
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
+    "complex64": 8,
+}
+
+
 class TensorSpec(_Frozen):
     """One parameter of a checkpoint as it appears in a manifest."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: str  # torch attribute name: "float32", "bfloat16", ...
+    dtype: str  # torch attribute name: "float32", "bfloat16", ... (sizes: DTYPE_BYTES)
 
 
 class Manifest(_Frozen):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from pool.checkpoint import read_header, read_manifest, safetensors_files
-from pool.types import Manifest, TensorSpec
+from pool.types import DTYPE_BYTES, Manifest, TensorSpec
 
 __all__ = [
     "CheckpointSource",
@@ -99,30 +99,9 @@ class WeightSource(ABC):
         return nbytes_of(self.specs())
 
 
-_DTYPE_BYTES = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint64": 8,
-    "uint32": 4,
-    "uint16": 2,
-    "uint8": 1,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e8m0fnu": 1,
-    "complex64": 8,
-}
-
-
 def nbytes_of(specs: Iterable[TensorSpec]) -> int:
     """Bytes on the wire for ``specs`` (a dtype not in the table counts 0)."""
-    return sum(math.prod(s.shape) * _DTYPE_BYTES.get(s.dtype, 0) for s in specs)
+    return sum(math.prod(s.shape) * DTYPE_BYTES.get(s.dtype, 0) for s in specs)
 
 
 def _dtype_name(dtype: Any) -> str:
