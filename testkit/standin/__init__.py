@@ -11,9 +11,15 @@ real vLLM CPU server by ``tests/integration/test_standin_conformance.py``. It ru
   :func:`expected_tokens` gives the greedy output for a validation probe (:mod:`.weights`);
 * how fast is a :class:`TimeModel` (tokens/s per request and per replica, transfer and start-up
   seconds), changeable at runtime (:mod:`.engine`);
-* :class:`Faults` (hang, hang some paths, slow health, stuck transfer, failing reload) and the
-  actions die / restart are set from Python or, for another process, the fleet's admin
-  endpoint (:mod:`.fleet`).
+* :class:`Faults` (hang, hang some paths, slow health, stuck transfer, failing reload; and the
+  answer faults of the inference routes: error answers, dropped connections, padded bodies,
+  floods of events, contradicting token ids and ``weight_versions``) and the actions die /
+  restart are set from Python or, for another process, the fleet's admin endpoint
+  (:mod:`.fleet`). The answer faults are what a real vLLM cannot be told to produce, so they
+  are not in the conformance suite; the default behaviour, every switch off, is;
+* :attr:`StandinReplica.recorded`, a recording switch, keeps the inference bodies received;
+* :class:`~testkit.standin.process.StandinProcess` runs one instant replica as a child process
+  (benchmarks of what sits in front of vLLM).
 
 Use::
 
@@ -37,11 +43,12 @@ one ``python -m testkit.standin`` process, measured from ``/proc``):
 
 from testkit.standin.engine import TimeModel
 from testkit.standin.fleet import StandinFleet
-from testkit.standin.server import Faults, ReplicaConfig, StandinReplica
+from testkit.standin.server import Faults, InferenceFailure, ReplicaConfig, StandinReplica
 from testkit.standin.weights import expected_tokens, load_weights
 
 __all__ = [
     "Faults",
+    "InferenceFailure",
     "ReplicaConfig",
     "StandinFleet",
     "StandinReplica",

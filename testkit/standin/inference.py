@@ -10,6 +10,10 @@ drops the connection. ``temperature`` 0 is greedy (:func:`~testkit.standin.weigh
 expected_tokens`); otherwise a ``seed`` (or a random nonce) picks the sample. ``max_tokens`` is
 clamped to the context left after the prompt, as vLLM does.
 
+The answer faults (``fail_inference``, ``drop_inference``, ``drop_stream_after``, ``pad_bytes``,
+``flood_events``, ``token_ids``, ``weight_versions``: :class:`~testkit.standin.server.Faults`)
+and the recording switch (:attr:`~testkit.standin.server.StandinReplica.recorded`) apply here.
+
 Not modelled (accepted and ignored, so a real server would answer differently): ``logprobs``
 (always null), ``stop``/``stop_token_ids``/``min_tokens``, ``echo``, tools, beam search,
 multimodal content. Streamed chunks may carry several tokens (one chunk per engine tick, not per
@@ -49,7 +53,15 @@ from testkit.standin.protocol import (
     usage,
     validation_error,
 )
-from testkit.standin.server import Kind, StandinReplica, generation_engine, ok, replica_of
+from testkit.standin.server import (
+    Faults,
+    Kind,
+    StandinReplica,
+    drop,
+    generation_engine,
+    ok,
+    replica_of,
+)
 from testkit.standin.weights import Tokenizer
 
 __all__ = ["chat_completions", "completions", "generate"]
@@ -151,6 +163,7 @@ def _hex() -> str:
 
 
 async def _parse(request: web.Request, model: type[B]) -> B:
+    """The body as ``model``; recorded, and answered by the inference faults, first."""
     raw = await request.read()
     try:
         data = json.loads(raw)
@@ -166,6 +179,14 @@ async def _parse(request: web.Request, model: type[B]) -> B:
             "items>",
         }
         raise error(400, f"1 validation error:\n  {item}", "Bad Request", "body")
+    rep = replica_of(request)
+    if rep.recorded is not None:
+        rep.recorded.append(data)
+    failure = rep.faults.fail_inference
+    if failure is not None:
+        raise error(failure.status, failure.message, failure.type)
+    if rep.faults.drop_inference:
+        await drop(request)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -279,14 +300,16 @@ async def _run(
         engine.submit(call.requests)
         if call.stream:
             return await _stream(request, rep, call, changed)
-        return await _whole(rep, call, changed)
+        return await _whole(request, rep, call, changed)
     finally:
         left = [r for r in call.requests if not r.done]
         if left and not engine.dead:
             engine.abort(left)  # the client went away
 
 
-async def _whole(rep: StandinReplica, call: Call, changed: asyncio.Event) -> web.Response:
+async def _whole(
+    request: web.Request, rep: StandinReplica, call: Call, changed: asyncio.Event
+) -> web.StreamResponse:
     while not all(r.done for r in call.requests):
         await changed.wait()
         changed.clear()
@@ -329,7 +352,34 @@ async def _whole(rep: StandinReplica, call: Call, changed: asyncio.Event) -> web
             chat=call.kind == "chat",
             prompt_ids=call.prompts[0] if call.return_ids and call.kind == "chat" else None,
         )
-    return ok(body)
+    faults = rep.faults
+    for choice, r in zip(body["choices"], call.requests, strict=True):
+        _rig(faults, choice, 0, len(r.tokens), final=True)
+    if not faults.pad_bytes:
+        return ok(body)
+    padded = {**body, "pad": "x" * faults.pad_bytes}
+    if not faults.pad_chunked:
+        return ok(padded)
+    data = dumps(padded).encode()
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await resp.prepare(request)  # no Content-Length: chunked
+    for start in range(0, len(data), 512):
+        await resp.write(data[start : start + 512])
+    await resp.write_eof()
+    return resp
+
+
+def _rig(faults: Faults, choice: dict[str, Any], start: int, end: int, final: bool) -> None:
+    """Apply the ``token_ids`` / ``weight_versions`` faults to a choice that carries tokens
+    ``start:end`` of its sequence (``final``: and its end)."""
+    if faults.token_ids is not None:
+        choice["token_ids"] = list(faults.token_ids[start:end])
+    if final and faults.weight_versions is not None:
+        choice["weight_versions"] = list(faults.weight_versions)
+
+
+#: the choice of a ``flood_events`` event: 64 KiB of text
+_FLOOD = {"index": 0, "text": "x" * 65536}
 
 
 class _Choice:
@@ -349,6 +399,12 @@ async def _stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await resp.prepare(request)
+    if rep.faults.flood_events:
+        flood = f"data: {dumps({'id': call.rid, 'choices': [_FLOOD]})}\n\n".encode()
+        for _ in range(rep.faults.flood_events):
+            await resp.write(flood)
+    per_token = rep.config.stream_per_token
+    written = 0
     state = [_Choice(rep.tokenizer) for _ in call.requests]
     while not all(s.final for s in state):
         await changed.wait()
@@ -361,10 +417,21 @@ async def _stream(
             finish = r.finish_reason
             if s.final or (not new and finish is None):
                 continue
-            s.sent += len(new)
-            s.final = finish is not None
-            events += _chunks(rep, call, index, r, s, new, finish)
-        if events:
+            pieces = [[t] for t in new] if per_token and len(new) > 1 else [new]
+            for n, piece in enumerate(pieces):
+                last = n == len(pieces) - 1
+                s.sent += len(piece)
+                s.final = last and finish is not None
+                events += _chunks(rep, call, index, r, s, piece, finish if last else None)
+        cut = rep.faults.drop_stream_after
+        if cut is not None and written + len(events) >= cut:
+            await resp.write("".join(f"data: {e}\n\n" for e in events[: cut - written]).encode())
+            await drop(request)
+        written += len(events)
+        if per_token:
+            for e in events:
+                await resp.write(f"data: {e}\n\n".encode())
+        elif events:
             await resp.write("".join(f"data: {e}\n\n" for e in events).encode())
     tail = []
     if call.include_usage:
@@ -398,8 +465,10 @@ def _chunks(
     head["model"] = rep.config.model_name
     stamp = finish is not None and not call.include_usage
     text = s.detok.step(new) if s.detok is not None else ""
+    start, final = s.sent - len(new), finish is not None
     if call.kind == "generate":
         choice = generate_choice(index, finish, new, r.spans if finish and call.spans else None)
+        _rig(rep.faults, choice, start, s.sent, final)
         chunk: dict[str, Any] = {"request_id": call.rid, "usage": None, "output_mode": "tokens"}
         if first and call.return_ids:
             chunk["prompt_token_ids"] = list(r.prompt)
@@ -420,6 +489,7 @@ def _chunks(
         }
         if finish is not None and call.spans:
             choice["weight_versions"] = spans_json(r.spans)
+        _rig(rep.faults, choice, start, s.sent, final)
         chunk = {**head, "choices": [choice]}
         if stamp:
             chunk["system_fingerprint"] = rep.fingerprint
@@ -441,6 +511,7 @@ def _chunks(
     choice["token_ids"] = ids
     if finish is not None and call.spans:
         choice["weight_versions"] = spans_json(r.spans)
+    _rig(rep.faults, choice, start, s.sent, final)
     chunk = {**head, "choices": [choice]}
     if stamp:
         chunk["system_fingerprint"] = rep.fingerprint

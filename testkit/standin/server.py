@@ -29,7 +29,24 @@ from testkit.standin.engine import EngineDead, SimEngine, TimeModel
 from testkit.standin.protocol import ApiError, dumps
 from testkit.standin.weights import Tokenizer, load_weights
 
-__all__ = ["MIDDLEWARES", "REPLICA", "Faults", "ReplicaConfig", "StandinReplica"]
+__all__ = [
+    "MIDDLEWARES",
+    "REPLICA",
+    "Faults",
+    "InferenceFailure",
+    "ReplicaConfig",
+    "StandinReplica",
+]
+
+
+class InferenceFailure(BaseModel):
+    """The error answer of the ``fail_inference`` fault: vLLM's error body with this status."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    status: int = Field(ge=400, le=599)
+    message: str
+    type: str = "BadRequestError"
 
 
 class Faults(BaseModel):
@@ -46,6 +63,21 @@ class Faults(BaseModel):
     ``reload_weights`` fails with a 500 and leaves the engine poisoned, as a missing path does on
     vLLM: the next generation request kills the replica unless a good reload comes first. Dying
     and restarting are actions: :meth:`StandinReplica.die`, :meth:`StandinReplica.restart`.
+
+    Answer faults of the inference routes (completions, chat completions, generate), for
+    testing what a client of vLLM does with a broken or contradicting answer. A real vLLM cannot
+    be told to produce any of them, so none is in the conformance suite (the stand-in's default,
+    every switch off, is): ``fail_inference``: every inference request is answered with this
+    vLLM-shaped error instead of generating (a 5xx also closes the connection, as uvicorn
+    does); ``drop_inference``: every inference request's connection is reset unanswered;
+    ``drop_stream_after``: a streamed answer's connection is reset after this many events
+    (before ``[DONE]``); ``pad_bytes``: a whole (non-streamed) answer carries an extra ``"pad"``
+    field of this many bytes, sent with a ``Content-Length``, or chunked without one if
+    ``pad_chunked``; ``flood_events``: a streamed answer first sends this many 64 KiB events
+    (a choice of ``"x"`` text), as fast as the client takes them; ``token_ids``: every choice
+    reports these token ids in place of the ones generated (streamed: the slice of the tokens
+    each chunk carries), whether or not the request asked for them; ``weight_versions``: every
+    finished choice reports these spans (JSON as sent) in place of its own, on any version.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -56,6 +88,14 @@ class Faults(BaseModel):
     slow_health_s: float = Field(default=0.0, ge=0)
     stuck_transfer: bool = False
     fail_reload: bool = False
+    fail_inference: InferenceFailure | None = None
+    drop_inference: bool = False
+    drop_stream_after: int | None = Field(default=None, ge=0)
+    pad_bytes: int = Field(default=0, ge=0)
+    pad_chunked: bool = False
+    flood_events: int = Field(default=0, ge=0)
+    token_ids: tuple[int, ...] | None = None
+    weight_versions: tuple[dict[str, Any], ...] | None = None
 
 
 class ReplicaConfig(BaseModel):
@@ -75,6 +115,9 @@ class ReplicaConfig(BaseModel):
     #: a Jinja chat template; ``None``: the one in the model's tokenizer_config.json, if any
     chat_template: str | None = None
     time: TimeModel = TimeModel()
+    #: streamed answers send one event per token, each its own write, as vLLM does at one token
+    #: per engine step (default: one event per choice per engine tick, several tokens each)
+    stream_per_token: bool = False
 
     @property
     def model_name(self) -> str:
@@ -99,6 +142,10 @@ class StandinReplica:
         self._faults_changed = asyncio.Event()
         #: paths of ``faults.hang_after`` whose trigger was answered (cleared with the faults)
         self.armed: set[str] = set()
+        #: a recording switch: set to a list, and every inference request's JSON body is
+        #: appended to it as received (what a real server does not echo: tests read what a
+        #: client such as the router forwarded); ``None``: nothing is recorded
+        self.recorded: list[dict[str, Any]] | None = None
         self.started_at = 0.0
         self.time = config.time
         self.model = config.model.expanduser().resolve()

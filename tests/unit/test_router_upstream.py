@@ -1,12 +1,11 @@
-"""Upstream behaviour of the proxy against the vLLM stand-in (:mod:`testkit.standin`: slow
-generations to disconnect from, cut or outlive deterministically, requests aborted while queued)
-and a tiny in-process *fake* vLLM.
-
-The fake exists ONLY to inject what the stand-in does not produce: weight_versions spans and token
-ids that contradict the binding, HTTP 500/400 answers, connections dropped mid-answer, oversized
-bodies, a flood of events; and to record the exact body the router forwarded (cache_salt, model
-rewrite, stripped fields), which a real server does not echo. The same paths against real vLLM CPU
-servers are in ``tests/integration/test_router.py``.
+"""Upstream behaviour of the proxy against the vLLM stand-in (:mod:`testkit.standin`): slow
+generations to disconnect from, cut or outlive deterministically, requests aborted while queued,
+and, through the stand-in's answer faults (:class:`testkit.standin.Faults`), what a real server
+cannot be told to produce: weight_versions spans and token ids that contradict the binding, HTTP
+500/400 answers, connections dropped mid-answer, oversized bodies, a flood of events. The
+stand-in's recording switch shows the exact body the router forwarded (cache_salt, model
+rewrite, stripped fields), which a real server does not echo. The same paths against real vLLM
+CPU servers are in ``tests/integration/test_router.py``.
 """
 
 from __future__ import annotations
@@ -14,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from jsonschema import Draft202012Validator
 
 from pool.settings import StoreSettings
@@ -34,7 +31,7 @@ from router.openapi import document
 from router.settings import RouterSettings
 from testkit.harness import publish_ready, router_client, settled
 from testkit.redis_server import RedisServer
-from testkit.standin import ReplicaConfig, StandinFleet, StandinReplica
+from testkit.standin import Faults, InferenceFailure, ReplicaConfig, StandinFleet, StandinReplica
 from testkit.standin.protocol import check_cache_salt
 from tests.helpers import aborted, active_rollouts, generating, idle, queued, taking
 
@@ -42,148 +39,34 @@ MODEL_PATH = "/fake/models/tiny"
 T = TypeVar("T")
 
 
-@dataclass
-class FakeVllm:
-    """Answers like vLLM 0.32 unless told otherwise (``mode``); records forwarded bodies."""
-
-    mode: str = "ok"
-    version: str = "0.32.0"
-    spans: Any = None
-    token_ids: list[int] = field(default_factory=lambda: [7, 8])
-    status: int = 200
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/version", self.get_version)
-        for path in ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate"):
-            app.router.add_post(path, self.infer)
-        return app
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL_PATH}]})
-
-    async def get_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": self.version})
-
-    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": "ab",
-            "finish_reason": "length",
-            "token_ids": self.token_ids,
-        }
-        if self.spans is not None:
-            choice["weight_versions"] = self.spans
-        return {
-            "id": "cmpl-1",
-            "object": "text_completion",
-            "model": body.get("model"),
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": 3,
-                "completion_tokens": len(self.token_ids),
-                "total_tokens": 3 + len(self.token_ids),
-            },
-        }
-
-    async def infer(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        try:
-            return await self._answer(request, body)
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.disconnected.set()
-            raise
-
-    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        if self.mode == "ok":
-            return web.json_response(self.completion(body))
-        if self.mode == "status":
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "bad things",
-                        "type": "BadRequestError",
-                        "code": self.status,
-                    }
-                },
-                status=self.status,
-            )
-        if self.mode == "big":  # with a Content-Length
-            return web.json_response({**self.completion(body), "pad": "x" * 4096})
-        if self.mode == "big_chunked":  # without one
-            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-            await resp.prepare(request)
-            await resp.write(b'{"pad": "')
-            for _ in range(8):
-                await resp.write(b"x" * 512)
-            await resp.write(b'"}')
-            await resp.write_eof()
-            return resp
-        if self.mode == "drop":
-            assert request.transport is not None
-            request.transport.abort()
-            await asyncio.sleep(1)
-            return web.Response()
-        if self.mode in ("stream", "stream_drop", "flood"):
-            return await self._stream(request, body)
-        raise AssertionError(self.mode)
-
-    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-
-        async def event(obj: Any) -> None:
-            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
-
-        def chunk(tokens: list[int], finish: str | None, spans: Any = None) -> dict[str, Any]:
-            c: dict[str, Any] = {
-                "index": 0,
-                "text": "x" * len(tokens),
-                "token_ids": tokens,
-                "finish_reason": finish,
-            }
-            if spans is not None:
-                c["weight_versions"] = spans
-            return {"id": "cmpl-s", "model": body.get("model"), "choices": [c]}
-
-        if self.mode == "flood":  # 64 KiB events as fast as they are taken: up to 256 MiB
-            big = {"id": "cmpl-s", "choices": [{"index": 0, "text": "x" * 65536}]}
-            for _ in range(4096):
-                await event(big)
-        await event(chunk([1], None))
-        await event(chunk([2], None))
-        if self.mode == "stream_drop":
-            assert request.transport is not None
-            request.transport.abort()
-            return resp
-        await event(chunk([3], "length", self.spans))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await event(
-                {
-                    "id": "cmpl-s",
-                    "model": body.get("model"),
-                    "choices": [],
-                    "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
-                }
-            )
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+async def rigged_replica(fleet: StandinFleet, version: str = "0.32.0") -> StandinReplica:
+    """A stand-in replica to set answer faults on: the tiny random model served as
+    :data:`MODEL_PATH`, labelled ``g0`` (the label the bindings are bound to), one SSE event per
+    token, recording the bodies it receives (:func:`forwarded`)."""
+    config = ReplicaConfig(
+        model=ensure_model("random", seed=1),
+        served_model_name=MODEL_PATH,
+        version=version,
+        stream_per_token=True,
+    )
+    replica = await fleet.add(config)
+    replica.live_engine().set_label("g0")
+    replica.recorded = []
+    return replica
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
-    f = FakeVllm()
-    server = TestServer(f.app())
-    await server.start_server()
-    try:
-        yield f, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+async def rigged() -> AsyncIterator[tuple[StandinReplica, str]]:
+    """A vLLM 0.32 :func:`rigged_replica` and its URL."""
+    async with StandinFleet() as fleet:
+        replica = await rigged_replica(fleet)
+        yield replica, replica.url
+
+
+def forwarded(replica: StandinReplica) -> dict[str, Any]:
+    """The body of the last inference request ``replica`` received."""
+    assert replica.recorded, "no request recorded"
+    return replica.recorded[-1]
 
 
 def settings(**kw: Any) -> RouterSettings:
@@ -216,22 +99,22 @@ async def no_leaks(store: RedisStore) -> None:
 
 
 async def test_forwarded_body_salt_model_and_provenance(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    rigged: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    f, url = fake
+    replica, url = rigged
     await publish_ready(store, [("r0", url)], identity_digest="wid:1")
     async with router_client(settings(), store_settings) as c:
         r = await c.post(
             "/v1/completions",
             json={
                 "model": "rolloutpool",
-                "prompt": "p",
+                "prompt": "p q",
                 "max_tokens": 2,
                 "rollout": {"min_generation": 0},
             },
         )
         assert r.status == 200, await r.text()
-        sent = f.bodies[-1]
+        sent = forwarded(replica)
         assert sent["model"] == MODEL_PATH and sent["cache_salt"] == "g0"
         assert "rollout" not in sent and "return_weight_versions" not in sent  # 0.32
         body = await r.json()
@@ -263,14 +146,17 @@ async def test_forwarded_body_salt_model_and_provenance(
             },
         )
         assert r.status == 200
-        assert f.bodies[-1]["cache_salt"] == "g0:tenant-7" and f.bodies[-1]["model"] == MODEL_PATH
+        assert (
+            forwarded(replica)["cache_salt"] == "g0:tenant-7"
+            and forwarded(replica)["model"] == MODEL_PATH
+        )
         assert (await r.json())["model"] == MODEL_PATH
         r = await c.post(
             "/inference/v1/generate",
             json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}},
         )
-        assert r.status == 200 and f.bodies[-1]["cache_salt"] == "g0"
-        assert f.bodies[-1]["model"] == MODEL_PATH
+        assert r.status == 200 and forwarded(replica)["cache_salt"] == "g0"
+        assert forwarded(replica)["model"] == MODEL_PATH
         r = await c.post("/v1/completions", json={"model": "other", "prompt": "p"})
         assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
     await no_leaks(store)
@@ -297,16 +183,15 @@ def test_cache_salt_is_always_acceptable_to_vllm_032() -> None:
 
 
 async def test_033_replicas_are_asked_for_spans(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    f, url = fake
-    f.version = "0.33.0"
-    f.spans = [{"version": "g0", "start": 0, "end": 2}]
-    await publish_ready(store, [("r0", url)])
-    async with router_client(settings(), store_settings) as c:
-        r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
-        assert r.status == 200
-        assert f.bodies[-1]["return_weight_versions"] is True
+    async with StandinFleet() as fleet:
+        replica = await rigged_replica(fleet, version="0.33.0")
+        await publish_ready(store, [("r0", replica.url)])
+        async with router_client(settings(), store_settings) as c:
+            r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
+            assert r.status == 200
+            assert forwarded(replica)["return_weight_versions"] is True
 
 
 @pytest.mark.parametrize(
@@ -324,15 +209,15 @@ async def test_033_replicas_are_asked_for_spans(
     ],
 )
 async def test_weight_versions_span_check(
-    fake: tuple[FakeVllm, str],
+    rigged: tuple[StandinReplica, str],
     store_settings: StoreSettings,
     store: RedisStore,
     spans: Any,
     tokens: list[int],
     violation: str | None,
 ) -> None:
-    f, url = fake
-    f.spans, f.token_ids = spans, tokens
+    replica, url = rigged
+    replica.faults = Faults(weight_versions=spans, token_ids=tokens)
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(), store_settings) as c:
         r = await c.post(
@@ -360,13 +245,13 @@ async def test_weight_versions_span_check(
 
 
 async def test_upstream_errors_abort_the_binding(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    rigged: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    f, url = fake
+    replica, url = rigged
     await publish_ready(store, [("r0", url)])
     req = {"model": "rolloutpool", "prompt": "p"}
     async with router_client(settings(), store_settings) as c:
-        f.mode, f.status = "status", 500
+        replica.faults = Faults(fail_inference=InferenceFailure(status=500, message="bad things"))
         r = await c.post("/v1/completions", json=req)
         assert r.status == 502
         err = (await r.json())["error"]
@@ -375,7 +260,7 @@ async def test_upstream_errors_abort_the_binding(
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (BindingState.ABORTED, "upstream 5xx: HTTP 500")
 
-        f.status = 400
+        replica.faults = Faults(fail_inference=InferenceFailure(status=400, message="bad things"))
         r = await c.post("/v1/completions", json=req)
         assert r.status == 400
         body = await r.json()
@@ -386,7 +271,7 @@ async def test_upstream_errors_abort_the_binding(
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert (b.state, b.reason) == (BindingState.ABORTED, "upstream 4xx: HTTP 400")
 
-        f.mode = "drop"
+        replica.faults = Faults(drop_inference=True)
         r = await c.post("/v1/completions", json=req)
         assert r.status == 502
         assert (await r.json())["error"]["code"] == "upstream_unavailable"
@@ -394,7 +279,7 @@ async def test_upstream_errors_abort_the_binding(
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert b.state is BindingState.ABORTED and "connection" in b.reason
 
-        f.mode = "stream_drop"
+        replica.faults = Faults(drop_stream_after=2)
         r = await c.post("/v1/completions", json={**req, "stream": True})
         assert r.status == 200
         events = await sse(r)
@@ -406,14 +291,14 @@ async def test_upstream_errors_abort_the_binding(
 
 
 async def test_buffered_upstream_bodies_are_capped(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    rigged: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Audit finding (issue 11): a whole (non-streamed) upstream answer was read without a cap."""
-    f, url = fake
+    replica, url = rigged
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(max_upstream_body_bytes=1024), store_settings) as c:
-        for mode in ("big", "big_chunked"):
-            f.mode = mode
+        for mode in (Faults(pad_bytes=4096), Faults(pad_bytes=4096, pad_chunked=True)):
+            replica.faults = mode
             r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
             assert r.status == 502, mode
             assert (await r.json())["error"]["code"] == "upstream_error"
@@ -422,7 +307,7 @@ async def test_buffered_upstream_bodies_are_capped(
                 BindingState.ABORTED,
                 "upstream body larger than 1024 bytes",
             )
-        f.mode = "ok"  # a body within the cap passes
+        replica.faults = Faults()  # a body within the cap passes
         r = await c.post("/v1/completions", json={"model": "rolloutpool", "prompt": "p"})
         assert r.status == 200
     await no_leaks(store)
@@ -479,20 +364,21 @@ async def aborted_while_queued(replica: StandinReplica, post: Awaitable[T]) -> T
 
 
 async def test_stream_passthrough_shape(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    rigged: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """The forwarded stream request and the framing of the client's stream."""
-    f, url = fake
-    f.mode = "stream"
+    replica, url = rigged
+    replica.faults = Faults(token_ids=(1, 2, 3))
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(), store_settings) as c:
         r = await c.post(
-            "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
+            "/v1/completions",
+            json={"model": "rolloutpool", "prompt": "p q r", "max_tokens": 3, "stream": True},
         )
         assert r.headers["Content-Type"].startswith("text/event-stream")
         rid = r.headers["X-Rollout-Id"]
         events = await sse(r)
-        assert f.bodies[-1]["stream_options"] == {"include_usage": True}
+        assert forwarded(replica)["stream_options"] == {"include_usage": True}
         assert events[-1] == "[DONE]"
         chunks = events[:-1]
         assert [c["choices"][0]["token_ids"] for c in chunks] == [[1], [2], [3]]  # no usage
@@ -505,7 +391,8 @@ async def test_stream_passthrough_shape(
             "/v1/completions",
             json={
                 "model": "rolloutpool",
-                "prompt": "p",
+                "prompt": "p q r",
+                "max_tokens": 3,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
@@ -514,7 +401,9 @@ async def test_stream_passthrough_shape(
         assert chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["choices"] == []
         assert chunks[-1]["rollout"]["id"] == r.headers["X-Rollout-Id"]
 
-        f.spans = [{"version": "g9", "start": 0, "end": 3}]
+        replica.faults = Faults(
+            token_ids=(1, 2, 3), weight_versions=[{"version": "g9", "start": 0, "end": 3}]
+        )
         r = await c.post(
             "/inference/v1/generate",
             json={
@@ -825,22 +714,24 @@ async def test_a_sessions_request_ends_at_the_sessions_max_age(
 
 
 async def test_a_client_that_stops_reading_a_stream_loses_its_binding(
-    fake: tuple[FakeVllm, str], store_settings: StoreSettings, store: RedisStore
+    rigged: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
     """Audit finding (issue 11): a client that stopped reading an SSE stream held its binding
     (and the replica's drain) indefinitely. A write blocked for client_write_timeout_s ends it."""
-    f, url = fake
-    f.mode = "flood"
+    replica, url = rigged
+    taking(replica, 10.0)  # a generation still running when the flood stops
+    replica.faults = Faults(flood_events=4096)  # 64 KiB events: up to 256 MiB
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(client_write_timeout_s=0.3), store_settings) as c:
         r = await c.post(
             "/v1/completions", json={"model": "rolloutpool", "prompt": "p", "stream": True}
         )
         rid = r.headers["X-Rollout-Id"]  # ... and the client reads nothing more
+        (generation,) = await generating(replica)
         b = await ended(store, rid)
         assert b.state is BindingState.ABORTED
         assert b.reason == "client stopped reading: an event waited 0.3 s to be sent"
-        await asyncio.wait_for(f.disconnected.wait(), 5)  # the generation is stopped too
+        await aborted(generation)  # the generation is stopped too
         r.close()
     await no_leaks(store)
 
