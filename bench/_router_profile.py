@@ -1,6 +1,6 @@
 """Where RolloutPool's router spends its CPU per request: py-spy on the running router.
 
-:func:`profile` loads the router alone (non-streamed requests to the stub upstream, closed loop
+:func:`profile` loads the router alone (non-streamed requests to the instant stand-in, closed loop
 at ``concurrency``) while ``py-spy record --format raw`` samples it (it pauses the router for
 each sample, so stacks are whole; ``--nonblocking`` left a quarter of them without their root).
 Only on-CPU samples count (py-spy leaves out idle threads), so a sample is CPU time. Each sample
@@ -224,7 +224,7 @@ async def profile(
     raw = await asyncio.to_thread(out_file.read_text) if out_file.exists() else ""
     return {
         "how": f"py-spy record --rate 250 --format raw on python -m router while "
-        f"its only load was {concurrency} concurrent non-streamed requests to the stub "
+        f"its only load was {concurrency} concurrent non-streamed requests to the stand-in "
         f"(closed loop, {duration_s:g} s); on-CPU samples only. Attribution: phase = innermost "
         "frame that names a request step (bench/_router_profile.py PHASES); mechanism = "
         "library of the innermost frame that is not asyncio plumbing; socket_syscalls = "

@@ -53,7 +53,7 @@ from testkit.harness import (
     tiny_model,
 )
 from testkit.redis_server import RedisServer
-from testkit.stub_upstream import STUB_MODEL, StubUpstream, completion_body
+from testkit.standin.process import STANDIN_MODEL, StandinProcess
 
 PROMPT = "the quick brown fox"
 
@@ -177,7 +177,7 @@ ANALYSIS = (
     "On this 2-core machine the router's own cost is one extra HTTP hop plus the ADMIT and "
     "RELEASE Redis round trips (both before the answer is delivered: the release must confirm "
     "that the binding was still active) plus about 20 us of JSON: see "
-    "router_vs_instant_stub_upstream. With the two vLLM replicas on the same two cores the "
+    "router_vs_instant_standin. With the two vLLM replicas on the same two cores the "
     "added latency grows several-fold, and so does every step inside the router (the ADMIT "
     "round trip alone goes from ~0.2-0.4 ms to ~1.5-3 ms): each vLLM worker busy-polls its "
     "shared-memory queue with sched_yield() for 1 s after every request "
@@ -189,9 +189,16 @@ ANALYSIS = (
 )
 
 
-def json_cost_us(n: int = 2000) -> float:
-    """Microseconds to parse the stub body, add a ``rollout`` object and serialize it again."""
-    raw = completion_body(1)
+async def one_token_body(url: str) -> bytes:
+    """A non-streamed one-token completion as the upstream at ``url`` answers it."""
+    body = {"model": STANDIN_MODEL, "prompt": "p", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        return await r.read()
+
+
+def json_cost_us(raw: bytes, n: int = 2000) -> float:
+    """Microseconds to parse ``raw``, add a ``rollout`` object and serialize it again."""
     t0 = time.perf_counter()
     for _ in range(n):
         data = json.loads(raw)
@@ -240,7 +247,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     redis = RedisServer(work / "redis").start()
     replicas = []
     procs: list[Any] = []
-    upstream: StubUpstream | None = None
+    upstream: StandinProcess | None = None
+    sample = b""
     runs: list[dict[str, Any]] = []
     load_at_start = os.getloadavg()[0]
     try:
@@ -274,15 +282,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await store.close()
         await stop_replicas(replicas)  # phase 2 runs without vLLM on the cores
 
-        upstream = await asyncio.to_thread(StubUpstream().start)
-        stub_url = upstream.url
-        store = RedisStore.connect(StoreSettings(url=redis.url, namespace="stub"))
-        await publish_ready(store, [("stub", stub_url)], capacity=100_000)
+        upstream = await asyncio.to_thread(StandinProcess().start)
+        standin_url = upstream.url
+        store = RedisStore.connect(StoreSettings(url=redis.url, namespace="standin"))
+        await publish_ready(store, [("standin", standin_url)], capacity=100_000)
         await store.close()
-        proc, stub_router_url = await start_router(work, redis.url, "stub", args.router_nice)
+        proc, standin_router_url = await start_router(work, redis.url, "standin", args.router_nice)
         procs.append(proc)
-        stub = await workload(stub_router_url, [stub_url], STUB_MODEL, args.requests, 1)
-        print(json.dumps(stub))
+        standin = await workload(standin_router_url, [standin_url], STANDIN_MODEL, args.requests, 1)
+        print(json.dumps(standin))
+        sample = await one_token_body(standin_url)
     finally:
         for p in procs:
             await stop(p)
@@ -305,13 +314,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "where_the_time_goes": {
             "router_and_redis_at_nice_minus_10": prioritized,
             "paced_20ms_between_requests": paced,
-            "router_vs_instant_stub_upstream": stub,
+            "router_vs_instant_standin": standin,
             "redis_round_trips_from_client_process_ms": rt,
-            "json_parse_add_rollout_serialize_us": json_cost_us(),
+            "json_parse_add_rollout_serialize_us": json_cost_us(sample),
             "note": "router_and_redis_at_nice_minus_10: the headline run repeated with the "
             "router and redis-server scheduled ahead of the vLLM processes that share the 2 "
             "cores; paced_20ms_between_requests: the headline run with a 20 ms pause after "
-            "each request; router_vs_instant_stub_upstream: the same router and workload in "
+            "each request; router_vs_instant_standin: the same router and workload in "
             "front of an aiohttp stand-in that answers at once, with the vLLM replicas stopped: "
             "the router's own cost (one extra HTTP hop, the ADMIT and RELEASE round trips, JSON) "
             "without competing for the 2 cores with vLLM's busy engine loops",

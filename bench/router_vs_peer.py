@@ -4,14 +4,15 @@
     python -m bench.router_vs_peer [--requests 6000] [--concurrency 1 16 64] [--router-workers 1]
                                    [--skip-e2e] [--e2e-rounds 2] [--skip-profile]
 
-Setup, all on this machine, all separate processes: an instant stand-in upstream
-(:mod:`testkit.stub_upstream`), a local ``redis-server`` (:mod:`testkit.redis_server`, AOF
-everysec), RolloutPool's router as deployed (``python -m router``, grants on; the stub
-registered READY on g0 through :func:`testkit.harness.publish_ready`), and the peers in front of
-the same stub (:mod:`bench._peers`: installed from PyPI into a venv under ``/tmp`` if missing,
-with py-spy for the profile; a peer that cannot be installed or started is left out and the
-JSON says why, ``peers.left_out``). This process is the client: aiohttp on uvloop, one
-keep-alive connection pool, bodies encoded once.
+Setup, all on this machine, all separate processes: an instant stand-in vLLM
+(:mod:`testkit.standin.process`: no per-token delay, one SSE event per token, uvloop), a local
+``redis-server`` (:mod:`testkit.redis_server`, AOF everysec), RolloutPool's router as deployed
+(``python -m router``, grants on; the stand-in registered READY on g0 through
+:func:`testkit.harness.publish_ready`), and the peers in front of the same stand-in
+(:mod:`bench._peers`: installed from PyPI into a venv under ``/tmp`` if missing, with py-spy for
+the profile; a peer that cannot be installed or started is left out and the JSON says why,
+``peers.left_out``). This process is the client: aiohttp on uvloop, one keep-alive connection
+pool, bodies encoded once.
 
 Measured, in this order:
 
@@ -22,7 +23,7 @@ Measured, in this order:
    requests/s, mean requests in flight (Little's law); per router: added p50/p99 (minus direct,
    same run) and CPU-seconds per 1,000 requests (its process tree, ``/proc/<pid>/stat``).
 2. **Each path alone** at concurrency 64 (closed loop): the most requests/s each path gives on
-   this box, and who uses the cores meanwhile (client, stub, routers, Redis).
+   this box, and who uses the cores meanwhile (client, stand-in, routers, Redis).
 3. **Redis cost** (:mod:`bench._redis_cost`): commands per rollout under ``MONITOR`` and the
    round trips requests waited for, with grants and, side by side, a router without them.
 4. **Profile** (py-spy, raw stacks, on-CPU samples only) of RolloutPool's router alone at
@@ -62,7 +63,7 @@ from pool.settings import StoreSettings
 from pool.store import RedisStore
 from testkit.harness import publish_ready
 from testkit.redis_server import RedisServer
-from testkit.stub_upstream import STUB_MODEL, StubUpstream, new_event_loop
+from testkit.standin.process import STANDIN_MODEL, StandinProcess, new_event_loop
 
 PROMPT = "the quick brown fox"
 STREAM_TOKENS = 32
@@ -150,7 +151,7 @@ def targets(urls: dict[str, str], stream: bool) -> dict[str, Target]:
     out = {}
     for name, url in urls.items():
         body: dict[str, Any] = {
-            "model": "rolloutpool" if name == "rolloutpool" else STUB_MODEL,
+            "model": "rolloutpool" if name == "rolloutpool" else STANDIN_MODEL,
             "prompt": PROMPT,
             "max_tokens": STREAM_TOKENS if stream else 1,
             "temperature": 0,
@@ -315,22 +316,24 @@ def client_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
 
 
-async def stub_phases(args: argparse.Namespace, work: Path, tools: Tools) -> dict[str, Any]:
+async def standin_phases(args: argparse.Namespace, work: Path, tools: Tools) -> dict[str, Any]:
     out: dict[str, Any] = {"peers_left_out": dict(tools.missing)}
-    with RedisServer(work / "redis") as redis, StubUpstream() as stub:
+    with RedisServer(work / "redis") as redis, StandinProcess() as standin:
         store = RedisStore.connect(StoreSettings(url=redis.url, namespace="peer"))
-        await publish_ready(store, [("stub", stub.url)], capacity=1_000_000)
+        await publish_ready(store, [("standin", standin.url)], capacity=1_000_000)
         await store.close()
         assert redis.proc is not None
         servers: list[Server] = []
         try:
             rp = await start_router(work, redis.url, "peer")
             servers.append(rp)
-            pids = {"rolloutpool": rp.pid, "stub": stub.pid, "redis": redis.proc.pid}
-            urls = {"direct": stub.url, "rolloutpool": rp.url}
+            pids = {"rolloutpool": rp.pid, "standin": standin.pid, "redis": redis.proc.pid}
+            urls = {"direct": standin.url, "rolloutpool": rp.url}
             for name in tools.versions:
                 try:
-                    peer = await STARTERS[name](work, tools.python, [stub.url], f"{name}-stub")
+                    peer = await STARTERS[name](
+                        work, tools.python, [standin.url], f"{name}-standin"
+                    )
                 except RuntimeError as e:
                     out["peers_left_out"][name] = f"did not start: {e} (see {work})"
                     continue
@@ -443,8 +446,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     print(f"peers: {tools.versions}; left out: {tools.missing}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
     t0 = time.monotonic()
-    stub = await stub_phases(args, work, tools)
-    stub_s = time.monotonic() - t0
+    standin = await standin_phases(args, work, tools)
+    standin_s = time.monotonic() - t0
     with tempfile.TemporaryDirectory() as d, RedisServer(Path(d)) as server:
         # asyncio's own loop, as bench.admission runs it (this process runs on uvloop)
         coro = admission_run(server.url, args.admission_pairs, 1)
@@ -461,13 +464,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return assemble(
         args,
         tools,
-        stub,
+        standin,
         admission,
         e2e,
         {
             "load_average_start": [round(x, 2) for x in load_start],
             "load_average_end": [round(x, 2) for x in os.getloadavg()],
-            "stub_phases_s": round(stub_s, 1),
+            "standin_phases_s": round(standin_s, 1),
             "other_processes": others(procs_before, all_processes(), ours),
         },
     )
@@ -499,10 +502,10 @@ def carried_e2e(name: str) -> dict[str, Any] | None:
     return e2e
 
 
-def remaining_cost(stub: dict[str, Any]) -> dict[str, Any] | None:
+def remaining_cost(standin: dict[str, Any]) -> dict[str, Any] | None:
     """What RolloutPool's router spends per request, by mechanism (the profile's top six, in
     microseconds), next to the peers' CPU per request alone: the cost the goals still miss."""
-    prof = stub.get("profile")
+    prof = standin.get("profile")
     if not prof:
         return None
     return {
@@ -510,7 +513,7 @@ def remaining_cost(stub: dict[str, Any]) -> dict[str, Any] | None:
         "by_mechanism_us": {m["mechanism"]: m["us_per_request"] for m in prof["by_mechanism"][:6]},
         "peers_cpu_ms_per_request_alone": {
             p: v.get("cpu_s_per_1000_requests")
-            for p, v in stub["alone"].items()
+            for p, v in standin["alone"].items()
             if p not in ("direct", "rolloutpool")
         },
     }
@@ -519,26 +522,26 @@ def remaining_cost(stub: dict[str, Any]) -> dict[str, Any] | None:
 def assemble(
     args: argparse.Namespace,
     tools: Tools,
-    stub: dict[str, Any],
+    standin: dict[str, Any],
     admission: float,
     e2e: dict[str, Any] | None,
     machine: dict[str, Any],
 ) -> dict[str, Any]:
     def added(c: int, router: str) -> float | None:
-        run = stub.get(f"c{c}")
+        run = standin.get(f"c{c}")
         return None if run is None or router not in run else float(run[router]["added_p50_ms"])
 
     peers = {name: None for name in STARTERS}  # a peer left out stays None (see peers_left_out)
-    workers = stub["by_router_workers"]
+    workers = standin["by_router_workers"]
     per_worker = workers["1"]["requests_per_s_per_worker"] if "1" in workers else None
-    cost = stub["redis_cost"]["grants"]
+    cost = standin["redis_cost"]["grants"]
     head = {
         "added_p50_ms_c1": added(1, "rolloutpool"),
         "peer_added_p50_ms_c1": {p: added(1, p) for p in peers},
         "added_p50_ms_c16": added(16, "rolloutpool"),
         "peer_added_p50_ms_c16": {p: added(16, p) for p in peers},
         "requests_per_s_per_worker": per_worker,
-        "router_cpu_ms_per_request": stub["alone"]["rolloutpool"]["cpu_s_per_1000_requests"],
+        "router_cpu_ms_per_request": standin["alone"]["rolloutpool"]["cpu_s_per_1000_requests"],
         "redis_round_trips_on_request_path": cost["redis_round_trips_on_request_path"],
         "redis_commands_sent_per_rollout": cost["commands_sent_per_rollout"],
         "redis_commands_in_scripts_per_rollout": cost["commands_in_scripts_per_rollout"],
@@ -576,28 +579,28 @@ def assemble(
         "goals": goals,
         "goals_met": met,
         "goals_missed_by": {k: v for k, v in short.items() if v is not None and v > 0},
-        "remaining_cost": remaining_cost(stub),
-        "peers": {"versions": tools.versions, "left_out": stub["peers_left_out"]},
-        "redis_cost": stub["redis_cost"],
+        "remaining_cost": remaining_cost(standin),
+        "peers": {"versions": tools.versions, "left_out": standin["peers_left_out"]},
+        "redis_cost": standin["redis_cost"],
         "router_workers": {
             "measured": sorted(workers, key=int),
             "by_workers": workers,
             "note": "requests/s of RolloutPool's router alone at concurrency "
-            f"{args.alone_concurrency} on the stub, per worker count (python -m router "
-            "--workers N: N SO_REUSEPORT processes). On this 2-core box the stub, Redis and "
+            f"{args.alone_concurrency} on the stand-in, per worker count (python -m router "
+            "--workers N: N SO_REUSEPORT processes). On this 2-core box the stand-in, Redis and "
             "the client share the cores with the workers, so a second worker adds less than a "
             "core's worth",
         },
-        "interleaved": {k: v for k, v in stub.items() if k.startswith("c")},
-        "interleaved_stream": {k: v for k, v in stub.items() if k.startswith("stream_c")},
-        "alone": stub["alone"],
-        "where_the_time_goes": stub.get("profile"),
+        "interleaved": {k: v for k, v in standin.items() if k.startswith("c")},
+        "interleaved_stream": {k: v for k, v in standin.items() if k.startswith("stream_c")},
+        "alone": standin["alone"],
+        "where_the_time_goes": standin.get("profile"),
         "e2e_vllm_bench_serve": e2e,
         "client": {
             "how": "this process: one aiohttp ClientSession (keep-alive pool, no limit) on "
             "uvloop, bodies encoded once; `concurrency` asyncio tasks send back to back. Its CPU "
             "is reported as cpu.cores.client in every window: below 1 core, it is not the "
-            "bottleneck of a path (the stub and the client share the cores with the routers).",
+            "bottleneck of a path (the stand-in and the client share the cores with the routers).",
             "interleaving": "one shared counter: request k goes to direct, rolloutpool, "
             "vllm_router, smg by k % (the number of paths), so every path sees the same load at "
             "the same time; a slower path holds more of the tasks (see mean_in_flight)",
@@ -606,12 +609,12 @@ def assemble(
             "alone_seconds_per_path": args.alone,
         },
         "box": machine,
-        "setup": "2-core box, everything local: instant aiohttp stub upstream (testkit."
-        "stub_upstream, uvloop), redis-server (AOF everysec), python -m router (1 process), "
+        "setup": "2-core box, everything local: instant stand-in vLLM (testkit."
+        "standin.process, uvloop), redis-server (AOF everysec), python -m router (1 process), "
         "vllm-router and SMG (both --policy round_robin, in their own venv under /tmp: "
         "`peers`), and this client. "
         "Non-streamed: /v1/completions max_tokens 1; streamed: stream=true, 32 one-token SSE "
-        "chunks from the stub. Added latency = router percentile minus direct percentile in "
+        "chunks from the stand-in. Added latency = router percentile minus direct percentile in "
         "the same interleaved run.",
     }
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from testkit.standin.engine import TimeModel
 from testkit.standin.fleet import StandinFleet
+from testkit.standin.process import new_event_loop
 from testkit.standin.server import ReplicaConfig
 
 
@@ -38,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replica-tps", type=float, default=None, help="tokens/s per replica")
     ap.add_argument("--transfer-s", type=float, default=0.0, help="reload_weights seconds")
     ap.add_argument("--startup-s", type=float, default=0.0, help="(re)start seconds")
+    ap.add_argument(
+        "--stream-per-token", action="store_true", help="one SSE event per token, as vLLM"
+    )
+    ap.add_argument("--uvloop", action="store_true", help="serve on uvloop if it is installed")
     ap.add_argument("--urls-file", type=Path, default=None)
     return ap.parse_args(argv)
 
@@ -64,6 +69,7 @@ async def serve(args: argparse.Namespace) -> None:
             max_model_len=args.max_model_len,
             chat_template=template,
             time=time,
+            stream_per_token=args.stream_per_token,
         )
         for i in range(args.count)
     ]
@@ -86,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):  # many replicas, many sockets
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    with asyncio.Runner(loop_factory=new_event_loop if args.uvloop else None) as runner:
+        runner.run(serve(args))
 
 
 if __name__ == "__main__":
