@@ -31,10 +31,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pool.launcher import free_port
 from pool.records import UpdateRecord, UpdateState
 from rolloutpool import progress
 from testkit.procs import terminate
+from tests.helpers import refused_port
 from tests.integration.conftest import TinyModels
 
 pytestmark = pytest.mark.integration
@@ -224,7 +224,7 @@ def test_errors_a_user_can_cause_print_one_line_and_a_documented_code(
     base = ["push", str(tiny_models.a), "--updater", up.updater]
     r = run(*base, "--token", "not-the-token")
     assert r.returncode == 5 and "refused the token: 403" in one_error_line(r)
-    r = run("push", str(tiny_models.a), "--updater", f"http://127.0.0.1:{free_port()}")
+    r = run("push", str(tiny_models.a), "--updater", f"http://127.0.0.1:{refused_port()}")
     assert r.returncode == 4 and "cannot reach the updater" in one_error_line(r)
     r = run("push", str(tiny_models.wide), "--updater", up.updater, "--token", up.token)
     assert r.returncode == 3, r.stdout + r.stderr
@@ -236,7 +236,7 @@ def test_errors_a_user_can_cause_print_one_line_and_a_documented_code(
     (not_a_model / "model.safetensors").write_bytes(b"not safetensors")
     r = run("push", str(not_a_model), "--updater", up.updater, "--token", up.token)
     assert r.returncode == 3 and "no validation probe from" in one_error_line(r)
-    r = run("status", "--router", f"http://127.0.0.1:{free_port()}")
+    r = run("status", "--router", f"http://127.0.0.1:{refused_port()}")
     assert r.returncode == 4 and "cannot reach the router" in one_error_line(r)
 
 

@@ -99,6 +99,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.bound: dict[str, int] = {}  # rollout id -> its binding's generation
         self.latest = 0
         self.n = 0
+        self.journal_state: dict[str, str] = dict.fromkeys(REPLICAS, "UNINITIALIZED")
+        self.journal_seen = ""  # the last journal entry folded into journal_state
 
     def run(self, coro: Any) -> Any:
         return self.loop.run(coro)
@@ -339,11 +341,28 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ invariants
 
+    async def observe(self) -> tuple[list[Any], dict[str, set[int] | None], list[Any]]:
+        """One look at the store for every invariant: the replicas, what each must keep loaded,
+        and the journal entries since the last look (concurrent reads, one loop run)."""
+        start = f"({self.journal_seen}" if self.journal_seen else "-"
+        recs, journal, *holds = await asyncio.gather(
+            self.store.replicas(),
+            self.store.journal(start=start),
+            *(self.store.adapters.holds(rid) for rid in REPLICAS),
+        )
+        return recs, dict(zip(REPLICAS, holds, strict=True)), journal
+
     @invariant()
-    def store_agrees_with_controller(self) -> None:
+    def invariants_hold(self) -> None:
         if not hasattr(self, "token"):
             return
-        for rec in self.run(self.store.replicas()):
+        recs, holds, journal = self.run(self.observe())
+        self.store_agrees_with_controller(recs)
+        self.holds_cover_what_runs(holds)
+        self.no_admission_while_closed(journal)
+
+    def store_agrees_with_controller(self, recs: list[Any]) -> None:
+        for rec in recs:
             lc = self.lc[rec.replica_id]
             assert rec.state is lc.state
             assert rec.active == len(self.active[rec.replica_id])
@@ -355,30 +374,25 @@ class PoolMachine(RuleBasedStateMachine):
             if self.ambiguous[rec.replica_id]:
                 assert rec.state is not S.READY, "I4: READY after an ambiguous failure"
 
-    @invariant()
-    def holds_cover_what_runs(self) -> None:
+    def holds_cover_what_runs(self, holds: dict[str, set[int] | None]) -> None:
         """What may still run on a replica (a retire must keep its adapter loaded)."""
-        if not hasattr(self, "token"):
-            return
         for rid in REPLICAS:
-            holds = self.run(self.store.adapters.holds(rid))
-            assert holds is not None
+            assert holds[rid] is not None
             running = {self.bound[ro] for ro in self.active[rid]}
             if self.granted[rid]:
                 running.add(self.grant_gen[rid])
-            assert holds == running, f"{rid}: holds {holds}, running {running}"
+            assert holds[rid] == running, f"{rid}: holds {holds[rid]}, running {running}"
 
-    @invariant()
-    def no_admission_while_closed(self) -> None:
-        if not hasattr(self, "token"):
-            return
-        state = dict.fromkeys(REPLICAS, "UNINITIALIZED")
-        for e in self.run(self.store.journal()):
+    def no_admission_while_closed(self, journal: list[Any]) -> None:
+        """Folds the new journal entries into each replica's last committed state."""
+        for e in journal:
             f = e.fields
             if e.type == "transition":
-                state[f["replica"]] = f["to"]
+                self.journal_state[f["replica"]] = f["to"]
             elif e.type == "admit":
-                assert state[f["replica"]] == "READY", f"admission in {state[f['replica']]}"
+                where = self.journal_state[f["replica"]]
+                assert where == "READY", f"admission in {where}"
+            self.journal_seen = e.id
 
 
 def test_pool_invariants_hold_under_random_interleavings(redis_server: RedisServer) -> None:
