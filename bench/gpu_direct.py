@@ -42,7 +42,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench._stats import med
 from bench.gpu.cycles import (
     Refs,
     make_runner,
@@ -69,6 +68,7 @@ from bench.gpu.harness import (
     verify_rollouts,
 )
 from pool.types import TensorSpec
+from testkit.stats import med
 
 GIB = 1024**3
 

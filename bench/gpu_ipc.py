@@ -43,7 +43,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench._stats import med
 from bench.gpu.cycles import Refs, make_runner, new_generation, run_cycle
 from bench.gpu.harness import (
     RESULTS,
@@ -60,6 +59,7 @@ from bench.gpu.harness import (
     target,
     verify_rollouts,
 )
+from testkit.stats import med
 from updater.transports.ipc import IpcDirectTransport, IpcStaging, VllmIpcTransport
 
 FLIPPED = "model.layers.17.self_attn.k_proj.weight"

@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench._stats import med
+from testkit.stats import med
 
 GOALS = {
     "whole_transfer_GBps": 300.0,

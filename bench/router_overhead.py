@@ -41,7 +41,6 @@ from typing import Any
 import aiohttp
 
 from bench._meta import write
-from bench._stats import pct
 from pool.launcher import free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
@@ -54,6 +53,7 @@ from testkit.harness import (
 )
 from testkit.redis_server import RedisServer
 from testkit.standin.process import STANDIN_MODEL, StandinProcess
+from testkit.stats import pct
 
 PROMPT = "the quick brown fox"
 

@@ -64,6 +64,7 @@ from pool.store import RedisStore
 from testkit.harness import publish_ready
 from testkit.redis_server import RedisServer
 from testkit.standin.process import STANDIN_MODEL, StandinProcess, new_event_loop
+from testkit.stats import pct
 
 PROMPT = "the quick brown fox"
 STREAM_TOKENS = 32
@@ -112,11 +113,6 @@ async def all_workers_listen(url: str, workers: int, timeout_s: float = 120) -> 
 
 
 # ------------------------------------------------------------------------------ load
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def summary(xs: list[float]) -> dict[str, float]:

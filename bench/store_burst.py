@@ -41,7 +41,6 @@ from typing import Any
 import aiohttp
 
 from bench._meta import write
-from bench._stats import pct
 from pool.launcher import free_port
 from pool.settings import StoreSettings
 from pool.store import RedisStore
@@ -49,6 +48,7 @@ from pool.types import BindingState
 from testkit.harness import publish_ready
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer
+from testkit.stats import pct
 
 NAMESPACE = "burst"
 MODEL = "/standin/model"

@@ -66,6 +66,7 @@ from pool.types import ReplicaState
 from rolloutpool.local.models import ensure_model, marker_token
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
+from testkit.stats import pct
 
 S = ReplicaState
 NAMESPACE = "scale"
@@ -352,11 +353,6 @@ async def _redis_counters(r: aioredis.Redis) -> tuple[float, dict[str, tuple[int
     }
     total = (await r.info("stats"))["total_commands_processed"]
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), calls, int(total)
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    s = sorted(xs)
-    return round(s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))], 3) if s else None
 
 
 async def _monitor(url: str, seconds: float) -> tuple[Counter[str], Counter[str]]:
@@ -656,7 +652,10 @@ def _report(
             for k, (c, u) in sorted(steady["redis_calls"].items(), key=lambda x: -x[1][1])[:10]
         },
         "redis_idle_commands_per_s": round(idle["redis_commands"] / idle["wall_s"], 1),
-        "added_latency_ms": {"p50": _pct(router_ms, 50), "p99": _pct(router_ms, 99)},
+        "added_latency_ms": {
+            "p50": round(pct(router_ms, 50), 3) if router_ms else None,
+            "p99": round(pct(router_ms, 99), 3) if router_ms else None,
+        },
         "roll_s": [u["roll_s"] for u in updates],
         "replica_window_s_median": _med([u["replica_window_s_median"] for u in ok_updates]),
         "roll_over_window_ratio_max": round(max(ratios), 2) if ratios else None,

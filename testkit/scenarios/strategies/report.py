@@ -34,16 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from testkit.scenarios.strategies.segment import Segment
+from testkit.stats import pct
 
-__all__ = ["STRATEGIES", "figure", "goals", "pct", "ratios", "row"]
+__all__ = ["STRATEGIES", "figure", "goals", "ratios", "row"]
 
 STRATEGIES = ("stop_the_world", "keep", "abort_resubmit", "pool_strict", "pool_staleness1")
-
-
-def pct(xs: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``xs``, nearest rank; 0.0 for no values."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))] if s else 0.0
 
 
 def _steady_from(seg: Segment) -> float:

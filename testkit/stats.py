@@ -1,4 +1,4 @@
-"""The statistics the benchmarks report, defined once."""
+"""The statistics the benchmarks and scenarios report, defined once."""
 
 from __future__ import annotations
 
