@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _PLACEHOLDER = re.compile(r"change[-_ ]?me|replace[-_ ]?me|<[^>]*>", re.IGNORECASE)
@@ -25,6 +25,13 @@ def split_list(v: Any) -> Any:
             return json.loads(text)
         return [x.strip() for x in text.split(",") if x.strip()]
     return v
+
+
+T = TypeVar("T")
+
+#: A list setting that may also be given as one string (:func:`split_list`), as an environment
+#: variable is: pydantic-settings passes it on undecoded (``NoDecode``).
+ListSetting = Annotated[list[T], NoDecode, BeforeValidator(split_list)]
 
 
 def refuse_placeholder(secret: SecretStr | None, what: str) -> SecretStr | None:
@@ -85,7 +92,7 @@ class StoreSettings(BaseSettings):
     generation_records_max: int = Field(default=1000, ge=10)
     updater_lease_s: float = Field(default=15.0, gt=0)
 
-    sentinels: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    sentinels: ListSetting[str] = Field(default_factory=list)
     sentinel_service: str = Field(default="rolloutpool", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     sentinel_username: str | None = None
     sentinel_password: SecretStr | None = None
@@ -104,11 +111,6 @@ class StoreSettings(BaseSettings):
     @classmethod
     def _real_password(cls, v: SecretStr | None) -> SecretStr | None:
         return refuse_placeholder(v, "the Redis password")
-
-    @field_validator("sentinels", mode="before")
-    @classmethod
-    def _split_sentinels(cls, v: Any) -> Any:
-        return split_list(v)
 
     @field_validator("sentinels")
     @classmethod

@@ -10,12 +10,12 @@ string (``k1,k2``). An empty list disables client authentication.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pool.settings import refuse_placeholder, split_list
+from pool.settings import ListSetting, refuse_placeholder
 
 MIB = 1024 * 1024
 
@@ -99,7 +99,7 @@ class RouterSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     workers: int = Field(default=1, ge=0)
-    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    api_keys: ListSetting[SecretStr] = Field(default_factory=list)
     admin_token: SecretStr | None = None
     served_model_name: str = Field(default="rolloutpool", min_length=1)
 
@@ -140,11 +140,6 @@ class RouterSettings(BaseSettings):
     rate_limit_burst: int = Field(default=200, gt=0)
 
     log_level: str = "INFO"
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split_keys(cls, v: Any) -> Any:
-        return split_list(v)
 
     @field_validator("api_keys")
     @classmethod
