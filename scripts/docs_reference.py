@@ -183,10 +183,15 @@ def cli_page() -> str:
     from rolloutpool.cli import cli
 
     parts = [HEADER + "# CLI: `rolloutpool`\n"]
-    with click.Context(cli, info_name="rolloutpool", terminal_width=100) as ctx:
+    # Each context as the command line makes it (its context_settings: e.g. "-h" for help): click
+    # caches a command's help option from the first context that asks, so a page built from
+    # bare contexts would depend on whether the CLI already ran in this process.
+    root = {"terminal_width": 100, **cli.context_settings}
+    with click.Context(cli, info_name="rolloutpool", **root) as ctx:
         parts.append("```text\n" + cli.get_help(ctx) + "\n```\n")
         for name, command in _commands(cli):
-            with click.Context(command, parent=ctx, info_name=name, terminal_width=100) as sub:
+            settings = {"terminal_width": 100, **command.context_settings}
+            with click.Context(command, parent=ctx, info_name=name, **settings) as sub:
                 parts.append(f"## `rolloutpool {name}`\n")
                 parts.append("```text\n" + command.get_help(sub) + "\n```\n")
     return "\n".join(parts)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,6 +25,26 @@ def generator() -> ModuleType:
 
 def test_the_reference_pages_match_the_code() -> None:
     assert generator().stale() == [], "run: .venv/bin/python scripts/docs_reference.py"
+
+
+def test_the_cli_page_is_the_same_after_the_cli_ran_in_the_process() -> None:
+    """click caches a command's help option from the first context that asks for it; the page
+    must not depend on whether the CLI (with its ``-h``) already ran in the generating process,
+    as it may have in a test worker. A fresh process: every command's help first, then the page."""
+    code = (
+        "import importlib.util, sys\n"
+        "from click.testing import CliRunner\n"
+        "from rolloutpool.cli import cli\n"
+        "for name in sorted(cli.commands):\n"
+        "    CliRunner().invoke(cli, [name, '--help'])\n"
+        "spec = importlib.util.spec_from_file_location('g', 'scripts/docs_reference.py')\n"
+        "g = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(g)\n"
+        "sys.stdout.write(g.cli_page())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (ROOT / "docs/reference/cli.md").read_text()
 
 
 def test_every_setting_is_on_the_configuration_page() -> None:
