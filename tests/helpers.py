@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
@@ -117,3 +120,12 @@ def refused_port() -> int:
     _HELD.append(s)
     port: int = s.getsockname()[1]
     return port
+
+
+def run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter from the checkout's root (nothing this process imported
+    or cached carries over) and return its stdout; fails the test on a non-zero exit."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr
+    return out.stdout

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,9 +42,7 @@ def test_the_cli_page_is_the_same_after_the_cli_ran_in_the_process() -> None:
         "spec.loader.exec_module(g)\n"
         "sys.stdout.write(g.cli_page())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout == (ROOT / "docs/reference/cli.md").read_text()
+    assert run_python(code) == (ROOT / "docs/reference/cli.md").read_text()
 
 
 def test_every_setting_is_on_the_configuration_page() -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import queue
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,8 +21,8 @@ from typing import Any
 import pytest
 
 from rolloutpool.integrations.trl import PoolLink, PoolRolloutError, ProvenanceError, _runs
+from tests.helpers import run_python
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def answer(
@@ -267,9 +265,7 @@ def test_rolloutpool_imports_without_trl() -> None:
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "pip install 'rolloutpool[trl]'" in out.stdout
+    assert "pip install 'rolloutpool[trl]'" in run_python(code)
 
 
 class StagingUpdater:
