@@ -24,7 +24,6 @@ from rolloutpool.integrations.trl import PoolLink, PoolRolloutError, ProvenanceE
 from tests.helpers import run_python
 
 
-
 def answer(
     n: int, label: str = "run1-step4", generation: int = 3, spans: Any = None
 ) -> dict[str, Any]:
