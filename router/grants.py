@@ -260,12 +260,9 @@ class GrantBook:
             if lg.replica_id not in self.grants:
                 await self.store.grants.give_back(self.router_id, lg.replica_id)
             self._orphans.remove(lg)
-        for rid, lg in list(self.grants.items()):  # returns first: a drain waits for them
+        for lg in list(self.grants.values()):  # returns first: a drain waits for them
             if not lg.open and lg.in_use == 0:
-                lg.returning = True  # no slot is taken from it again, whatever the view says
-                await self.store.grants.give_back(self.router_id, rid)
-                if self.grants.get(rid) is lg:
-                    del self.grants[rid]
+                await self._give_back(lg)  # no slot is taken from it again, whatever the view says
         for rid, lg in list(self.grants.items()):
             if not lg.open:
                 continue
@@ -287,20 +284,49 @@ class GrantBook:
                     await self._resize(rid, self.slots)
 
     async def _resize(self, replica_id: str, want: int) -> None:
-        lg = self.grants.get(replica_id)
+        """Set this router's slots on ``replica_id`` to ``want`` (at most its capacity).
+
+        Redis keeps one grant per router and replica, with the generation it was given on:
+        what a retire of a LoRA pool's old adapter must keep loaded (:mod:`pool.store.adapters`).
+        So a grant held since before the replica moved to another generation (a LoRA pool's
+        replicas move with no drain) is returned first, once nothing runs under it, and the new
+        one is given on the replica's generation; while something still runs under the old one,
+        nothing is granted."""
         rec = self._records.get(replica_id)
         if rec is not None:
             want = min(want, rec.capacity)
+        lg = self.grants.get(replica_id)
+        if lg is not None and rec is not None and lg.grant.generation != rec.generation:
+            if lg.in_use:
+                return
+            await self._give_back(lg)
         g = await self.store.grants.grant(
             self.router_id, replica_id, want, max_staleness=self.max_staleness
         )
+        # the grant as it is now, not as it was before the call: a resize that ran meanwhile
+        # (two requests that found no free slot) may have put a fresh one in place, with
+        # requests already running under it
+        lg = self.grants.get(replica_id)
         if lg is not None and lg.grant.generation == g.generation:
             lg.grant = g
             return
-        if lg is not None and lg.in_use:
-            return  # the replica moved on under a grant still in use: impossible while held
+        if lg is not None:
+            # the replica moved on during the call (the view was behind Redis): Redis's grant
+            # still holds lg's generation; it is returned once nothing runs under it, and the
+            # next resize grants anew
+            if not lg.in_use:
+                await self._give_back(lg)
+            return
         fresh = self.grants[replica_id] = LocalGrant(g, epoch=self.epoch)
         fresh.open = self._closed(rec, g.generation) is None
+
+    async def _give_back(self, lg: LocalGrant) -> None:
+        """Return an idle grant (no slot is taken from it again) and forget it."""
+        lg.returning = True
+        lg.open = False
+        await self.store.grants.give_back(self.router_id, lg.replica_id)
+        if self.grants.get(lg.replica_id) is lg:
+            del self.grants[lg.replica_id]
 
 
 __all__ = ["GrantBook", "LocalGrant"]

@@ -286,3 +286,77 @@ async def test_a_refused_grow_does_not_hold_back_the_returns(store: RedisStore) 
     book.on_view({r.replica_id: r for r in await store.replicas()}, latest)
     await book._tend()  # growing r0 is refused (at capacity); r1's grant is returned anyway
     assert "r1" not in book.grants and (await store.replica("r1")).granted == 0
+
+
+async def test_two_grows_at_once_never_replace_a_grant_a_request_runs_under(
+    store: RedisStore,
+) -> None:
+    """Two requests find no free slot on a replica whose generation moved on (a LoRA pool's
+    replicas move with no drain) and grow its grant at once. The grow that answers last must
+    not replace the fresh grant the first one made and a request took: that request's
+    settlement would find its grant gone and withhold its answer (503 binding_ended)."""
+    from pool.store.grants import Grant
+    from router.bindings import Settled
+    from router.grants import GrantBook, LocalGrant
+
+    g1 = Generation(number=1, label="g1")
+    await publish_ready(store, [("r0", "http://a")], generation=g1, capacity=16)
+    await store.failover.heartbeat("rk", 1, 60)
+    book = GrantBook(store, "rk", slots=2, max_staleness=0, grace_s=120)
+    book.epoch, book.registered_at = 1, time.monotonic()
+    book.grants["r0"] = LocalGrant(Grant("r0", 2, 0, "g0", "wid"))  # held when r0 was on g0
+    book.on_view({r.replica_id: r for r in await store.replicas()}, g1)  # closes it
+
+    real, calls, first_may_answer = store.grants.grant, [], asyncio.Event()
+
+    async def grant(*args: Any, **kw: Any) -> Grant:
+        calls.append(len(calls))
+        mine = calls[-1]
+        out = await real(*args, **kw)
+        if mine == 0:  # the first grow's answer arrives after the second one's request ran
+            await first_may_answer.wait()
+        return out
+
+    store.grants.grant = grant  # type: ignore[method-assign]
+
+    async def grow_and_take() -> LocalGrant | None:
+        await until(lambda: _true(len(calls) == 1))  # the other grow is under way
+        await book.grow("r0")
+        lg = book.take("r0", 1)
+        first_may_answer.set()
+        return lg
+
+    _, taken = await asyncio.gather(book.grow("r0"), grow_and_take())
+    assert taken is not None
+    assert book.grants["r0"] is taken
+    assert book.settle(taken, "ro-1") is Settled.CONFIRMED
+
+
+async def test_a_grant_given_again_after_the_replica_moved_on_holds_the_new_generation(
+    store: RedisStore,
+) -> None:
+    """A LoRA pool's replica moves from g0 to g1 with no drain while a router holds a grant
+    given on g0. Once nothing runs under it, the router's next grant must be recorded on g1:
+    that is what a retire of an old adapter reads (the holds). A grant grown over the g0 entry
+    kept g0 there, so g1's adapter could be unloaded under the requests the grant admitted."""
+    from router.grants import GrantBook
+
+    await publish_ready(store, [("r0", "http://a")], capacity=16)
+    await store.failover.heartbeat("rk", 1, 60)
+    book = GrantBook(store, "rk", slots=2, max_staleness=0, grace_s=120)
+    book.epoch, book.registered_at = 1, time.monotonic()
+    book.on_view(
+        {r.replica_id: r for r in await store.replicas()}, Generation(number=0, label="g0")
+    )
+    await book._tend()  # a grant on g0
+    assert await store.adapters.holds("r0") == {0}
+    g1 = Generation(number=1, label="g1")
+    token = await store.updater_lease("u").acquire()
+    await store.transition(
+        "r0", token, S.READY, S.READY, generation=g1, identity_digest="wid:1", publish=True
+    )
+    book.on_view({r.replica_id: r for r in await store.replicas()}, g1)
+    await book.grow("r0")
+    lg = book.take("r0", 1)
+    assert lg is not None and lg.grant.generation == 1
+    assert await store.adapters.holds("r0") == {1}
