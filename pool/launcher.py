@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pool.errors import RolloutPoolError
 from pool.paths import default_cache_root
+from pool.ports import free_port
 
 __all__ = [
     "LaunchError",
@@ -77,14 +77,6 @@ class LaunchError(RolloutPoolError):
     """
 
     code = "launch_error"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
