@@ -65,6 +65,13 @@ USER, PASSWORD, ADMIN = "rolloutpool", "s3cret-redis-pass", "reliability-admin"
 #: to 5.5 s), and 480-token rollouts (the most a 512-token context allows) had then already
 #: ended. 4000 tokens run for ~13 s on an idle host.
 CONTEXT, LONG = 4096, 4000
+ADMISSION_WAIT_S = 2.0
+#: The fuzzed router's request deadline. A fuzzed completion may ask for up to ``CONTEXT``
+#: tokens, which a loaded host generates in well over a minute; the deadline ends it with a
+#: documented 504 instead, so every answer comes within ``FUZZ_DEADLINE_S + ADMISSION_WAIT_S``
+#: and schemathesis's request timeout (twice that) never depends on the host's speed.
+FUZZ_DEADLINE_S = 10.0
+FUZZ_REQUEST_TIMEOUT_S = 2 * (FUZZ_DEADLINE_S + ADMISSION_WAIT_S)
 
 
 @dataclass
@@ -116,23 +123,32 @@ async def start_env(workdir: Path) -> Env:
     up = Updater(settings, store)
     await up.start()
     runner, uport = await start_server(create_api(up, settings))
-    rport = free_port()
+    router, url = await router_process(redis.url)
+    return Env(workdir, redis, store, up, url, f"http://127.0.0.1:{uport}", router, runner)
+
+
+async def router_process(
+    redis_url: str, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A router process on this pool's Redis (as its ACL user), answering ``/healthz``."""
+    port = free_port()
     router = start_router(
-        rport,
-        redis.url,
+        port,
+        redis_url,
         3.0,
         {
             "ROLLOUTPOOL_REDIS_USERNAME": USER,
             "ROLLOUTPOOL_REDIS_PASSWORD": PASSWORD,
             "ROLLOUTPOOL_REDIS_SOCKET_TIMEOUT_S": "1.0",
             "ROLLOUTPOOL_REDIS_FAILOVER_GRACE_S": str(FAILOVER_GRACE_S),
-            "ROLLOUTPOOL_ROUTER_ADMISSION_WAIT_S": "2",
+            "ROLLOUTPOOL_ROUTER_ADMISSION_WAIT_S": str(ADMISSION_WAIT_S),
             "ROLLOUTPOOL_ROUTER_ADMIN_TOKEN": ADMIN,
+            **(extra_env or {}),
         },
     )
-    url = f"http://127.0.0.1:{rport}"
+    url = f"http://127.0.0.1:{port}"
     await wait_http(url + "/healthz")
-    return Env(workdir, redis, store, up, url, f"http://127.0.0.1:{uport}", router, runner)
+    return router, url
 
 
 async def stop_env(env: Env) -> None:
@@ -426,6 +442,8 @@ async def redis_outage(env: Env) -> dict[str, Any]:
 def schemathesis_run(
     schema_url: str, base_url: str, examples: int, headers: dict[str, str]
 ) -> dict[str, Any]:
+    """One schemathesis run; ``tail`` holds its errors and failures when it has any (else the
+    end of its output)."""
     argv = [
         sys.executable,
         "-m",
@@ -441,7 +459,7 @@ def schemathesis_run(
         str(examples),
         "--no-color",
         "--request-timeout",
-        "30",
+        str(FUZZ_REQUEST_TIMEOUT_S),
         "--phases",
         "examples,coverage,fuzzing",
         "--suppress-health-check",
@@ -462,11 +480,30 @@ def schemathesis_run(
         "cases": cases,
         "undocumented_status": failures,
         "server_errors_500": len(re.findall(r"\b500 Internal Server Error", text)),
-        "tail": text[-1500:],
+        "tail": _problems(text) or text[-1500:],
     }
 
 
+async def _active_after(store: RedisStore, *, timeout_s: float) -> int:
+    """Bindings still counted on the replicas once they reach 0, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (active := sum(r.active for r in await store.replicas())) and (
+        time.monotonic() < deadline
+    ):
+        await asyncio.sleep(0.2)
+    return active
+
+
+def _problems(text: str) -> str:
+    """schemathesis's ERRORS and FAILURES sections, up to the next section."""
+    found = re.findall(r"^=+ (?:ERRORS|FAILURES) =+$.*?(?=^=+ [A-Z]+ =+$)", text, re.M | re.S)
+    return "".join(found)[:6000]
+
+
 async def fuzz(env: Env, examples: int) -> dict[str, Any]:
+    """The updater's API, then the router's through a router of its own whose request deadline
+    bounds every answer (``FUZZ_DEADLINE_S``); then every binding the fuzz opened must end: an
+    open session's lease (6 s) lapses and the reaper aborts it."""
     up = await asyncio.to_thread(
         schemathesis_run,
         env.updater_url + "/openapi.json",
@@ -474,11 +511,14 @@ async def fuzz(env: Env, examples: int) -> dict[str, Any]:
         examples,
         {"Authorization": f"Bearer {ADMIN}"},
     )
-    rt = await asyncio.to_thread(
-        schemathesis_run, env.router_url + "/openapi.json", env.router_url, examples, {}
+    router, url = await router_process(
+        env.redis.url, {"ROLLOUTPOOL_ROUTER_REQUEST_DEADLINE_S": str(FUZZ_DEADLINE_S)}
     )
-    await asyncio.sleep(8)  # request leases (3 s) expire; the reaper aborts anything left
-    leaked = sum(r.active for r in await env.store.replicas())
+    try:
+        rt = await asyncio.to_thread(schemathesis_run, url + "/openapi.json", url, examples, {})
+    finally:
+        terminate(router, grace_s=20)
+    leaked = await _active_after(env.store, timeout_s=60)
     return {
         "updater_cases": up["cases"],
         "router_cases": rt["cases"],

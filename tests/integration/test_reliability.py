@@ -34,6 +34,6 @@ async def test_faults_outages_and_fuzzing(tmp_path: Path) -> None:
         f"{o['update_after_error']!r} {o['update_after_replicas']}"
     )
     z = r["fuzz"]
-    assert z["server_errors"] == 0, (z["updater_tail"], z["router_tail"])
+    assert z["server_errors"] == 0, f"updater:\n{z['updater_tail']}\nrouter:\n{z['router_tail']}"
     assert z["leaked_bindings"] == 0
     assert z["updater_cases"] and z["router_cases"]
