@@ -82,6 +82,7 @@ def main() -> None:
     write(
         "test_runs",
         {
+            **old,  # sections other runs and measurements wrote (``diagnostics``) stay
             "test_command": COMMAND,
             "on": "a clean clone of HEAD (its own .venv installed by the command, as in CI)",
             "load_used": "stress-ng --cpu <cores> for the whole run (runs with loaded=true)",
