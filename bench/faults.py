@@ -207,9 +207,9 @@ def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         k: new[k] for k in ("cells", "cross_generation", "stale_token_writes", "leaked_bindings")
     }
     for k in ("cross_generation", "stale_token_writes", "leaked_bindings"):
-        for key in (k, f"matrix_{k}"):
-            before = old.get(key, old.get(k))
-            out[key] = None if before is None else before + new[key]
+        for field in (k, f"matrix_{k}"):
+            before = old.get(field, old.get(k))
+            out[field] = None if before is None else before + new[field]
     out["matrix_records_left_running"] = out["records_left_running"]
     return out
 

@@ -481,7 +481,7 @@ def carried_e2e(name: str) -> dict[str, Any] | None:
     if not path.exists():
         return None
     old = json.loads(path.read_text())
-    e2e = old.get("e2e_vllm_bench_serve")
+    e2e: dict[str, Any] | None = old.get("e2e_vllm_bench_serve")
     if not e2e:
         return None
     if "carried_over" not in e2e:

@@ -90,12 +90,13 @@ async def load(
     server: Server, kind: str, requests: int, concurrency: int, warmup: int = 200
 ) -> dict[str, float]:
     """Closed loop of ``requests`` calls of ``kind`` over the server's replicas (round-robin)."""
-    path, body = {
+    routes: dict[str, tuple[str, dict[str, Any]]] = {
         "completions": ("/v1/completions", {"prompt": PROMPT}),
         "completions_stream": ("/v1/completions", {"prompt": PROMPT, "stream": True,
                                                    "stream_options": {"include_usage": True}}),
         "generate": ("/inference/v1/generate", {"token_ids": PROMPT}),
-    }[kind]  # fmt: skip
+    }  # fmt: skip
+    path, body = routes[kind]
     params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
     body = {**body, "sampling_params": params} if kind == "generate" else {**body, **params}
     payload = json.dumps(body).encode()

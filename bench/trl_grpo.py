@@ -60,7 +60,7 @@ def main() -> None:
 
         result["gpu"] = torch.cuda.get_device_name(0)
     write("trl_grpo_gpu" if args.gpu else "trl_grpo", result)
-    keys = ("steps", "updates", "reward_first", "reward_last", "cross_generation")
+    keys: tuple[str, ...] = ("steps", "updates", "reward_first", "reward_last", "cross_generation")
     keys += ("samples_with_generation", "outside_committed", "stall_s")
     for name, r in (("wait=True", sync), ("wait=False", async_run)):
         print(name, {k: r[k] for k in keys})

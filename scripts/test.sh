@@ -30,7 +30,7 @@ echo "== install and lint: $SECONDS s"
 # mypy runs beside the unit suite, whose tests mostly wait (on Redis, subprocesses, servers):
 # four workers on 2 cores use about half of the CPU. mypy's output is printed when both end.
 mypy_log=$(mktemp)
-.venv/bin/mypy pool router updater rolloutpool testkit scripts/docs_reference.py >"$mypy_log" 2>&1 &
+.venv/bin/mypy pool router updater rolloutpool testkit bench scripts/docs_reference.py >"$mypy_log" 2>&1 &
 mypy_pid=$!
 t0=$SECONDS
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
