@@ -35,7 +35,7 @@ mypy_pid=$!
 t0=$SECONDS
 # Exit status 5 ("no tests collected") fails this script like any other non-zero status.
 unit_rc=0
-.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120 -n 4 || unit_rc=$?
+.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider --timeout 120 -n 4 --durations=10 || unit_rc=$?
 mypy_rc=0
 wait "$mypy_pid" || mypy_rc=$?
 cat "$mypy_log"
