@@ -41,7 +41,9 @@ def layout(sizes: list[int]) -> tuple[list[int], int]:
 
 
 def table(sizes: list[int], block: int, device: Any) -> tuple[Any, Any]:
-    """``(seg, start)`` of :mod:`pool.ipc_sums` for tensors of ``sizes`` words."""
+    """``(seg, start)`` of :mod:`pool.ipc_sums` for tensors of ``sizes`` words, as
+    :func:`pool.ipc_copy.block_table` builds them (not imported: that module needs pydantic,
+    which the bare GPU host lacks)."""
     import torch
 
     seg: list[int] = []
