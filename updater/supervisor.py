@@ -110,6 +110,12 @@ class Supervisor:
             try:
                 records = dict(await self.watch.versioned())
             except RolloutPoolError as e:  # Redis away: no update step proceeds either
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # a read cut by this task's cancellation can say "unreachable" (redis-py
+                    # closes the connection on the way out): waited out, the cancellation
+                    # would be lost and the updater's stop() would wait on this loop forever
+                    raise asyncio.CancelledError() from e
                 log.warning("supervisor: store unavailable: %s", e)
                 continue
             replicas = list(self.replicas.values())

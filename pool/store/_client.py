@@ -15,7 +15,6 @@ failover), :class:`~pool.errors.StoreBusy` (this process's connection pool staye
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
@@ -87,20 +86,12 @@ class StoreClient:
         await self._clients.aclose()
 
     async def call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """Run one redis-py call, translating its errors into the pool's (the seam).
-
-        A call cut by the cancellation of its task can surface from redis-py as a lost
-        connection; that is the cancellation, re-raised as such (translated, a loop that waits
-        out outages would swallow it and never end: an updater's ``stop`` waited on its
-        supervisor forever)."""
+        """Run one redis-py call, translating its errors into the pool's (the seam)."""
         try:
             return await fn()
         except LockError:
             raise  # the lease's own protocol errors; UpdaterLease translates them
         except (RedisError, OSError) as e:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise asyncio.CancelledError() from e
             raise self._translate(e) from e
 
     def _translate(self, e: Exception) -> Exception:

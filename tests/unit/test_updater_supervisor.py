@@ -4,12 +4,14 @@ tests/unit/test_providers_kubernetes.py). The engine is never reached in these p
 
 from __future__ import annotations
 
+import asyncio
 from typing import Self
 
 import httpx
 
 from pool.checkpoint import read_manifest
 from pool.engine import VllmEngine
+from pool.errors import StoreUnavailable
 from pool.evidence import ProcessIdentity
 from pool.lifecycle import Lifecycle
 from pool.store import RedisStore
@@ -191,3 +193,31 @@ async def test_a_ready_replica_whose_process_was_replaced_is_tainted(store: Redi
         rec = await store.replica("r0")
         assert rec.state is S.TAINTED and "server process was replaced" in rec.reason
         await engine.aclose()
+
+
+async def test_stop_ends_the_supervisor_when_a_cancelled_read_says_unreachable(
+    store: RedisStore,
+) -> None:
+    """redis-py can report a command cut by its task's cancellation as a lost connection, which
+    the store reports as StoreUnavailable. The supervisor waits out outages, so it swallowed
+    the cancellation and ran on, and Updater.stop() waited on it forever (a clean-clone run hung
+    30 min in test_supervisor). Here the read is made to do exactly that on cancellation."""
+    sup, _ = await tainted_replica(store, RecordingProvider(can_restart=False))
+    started = asyncio.Event()
+
+    async def read_that_hides_cancellation() -> object:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise StoreUnavailable("Redis at redis://x is unreachable (ConnectionError)") from None
+        return {}
+
+    sup.watch.versioned = read_that_hides_cancellation  # type: ignore[method-assign]
+    task = asyncio.create_task(sup.run())
+    await started.wait()
+    task.cancel()
+    await asyncio.wait({task}, timeout=10)
+    if not task.done():  # the bug: leave nothing running behind the test
+        sup.watch.versioned = lambda: asyncio.sleep(3600)  # type: ignore[method-assign, assignment, return-value]
+    assert task.cancelled(), "the supervisor swallowed its cancellation"
