@@ -27,6 +27,7 @@ Router and updater subclass these; HTTP status codes are assigned only in their 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 
@@ -126,3 +127,14 @@ class DeadlineExceeded(RolloutPoolError, code="deadline_exceeded"): ...
 
 class PreflightFailed(RolloutPoolError, code="preflight_failed"):
     """A checkpoint was refused before any mutation (missing path, manifest or identity)."""
+
+
+def raise_if_cancelling(err: BaseException) -> None:
+    """Re-raise the current task's pending cancellation in place of ``err``.
+
+    A Redis call cut by its task's cancellation can report a lost connection instead (redis-py
+    closes the connection on the way out). A loop that waits out outages must call this first:
+    otherwise it swallows the cancellation and never ends."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from err

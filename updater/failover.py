@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 
-from pool.errors import EpochChanged, StoreUnavailable
+from pool.errors import EpochChanged, StoreUnavailable, raise_if_cancelling
 from pool.store import Epoch, RedisStore
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,7 @@ class EpochGate:
                 epoch = await self.store.failover.epoch()
                 routers = await self.store.failover.routers()
             except StoreUnavailable as err:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    # cancelled mid-call, and the call reported it as an unreachable Redis (a
-                    # client that drops its connection on cancellation): a deadline around
-                    # this wait must end it, not see it wait out timeout_s
-                    raise asyncio.CancelledError() from err
+                raise_if_cancelling(err)  # a deadline around this wait must end it
                 if time.monotonic() - t0 > self.timeout_s:
                     raise
                 log.info("failover check: %s; trying again", err)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
-from pool.errors import EngineError, RolloutPoolError
+from pool.errors import EngineError, RolloutPoolError, raise_if_cancelling
 from pool.evidence import GONE, ProcessIdentity
 from pool.lifecycle import IN_UPDATE
 from pool.metrics import UpdaterMetrics
@@ -110,12 +110,7 @@ class Supervisor:
             try:
                 records = dict(await self.watch.versioned())
             except RolloutPoolError as e:  # Redis away: no update step proceeds either
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    # a read cut by this task's cancellation can say "unreachable" (redis-py
-                    # closes the connection on the way out): waited out, the cancellation
-                    # would be lost and the updater's stop() would wait on this loop forever
-                    raise asyncio.CancelledError() from e
+                raise_if_cancelling(e)  # else the updater's stop() waits on this loop forever
                 log.warning("supervisor: store unavailable: %s", e)
                 continue
             replicas = list(self.replicas.values())
