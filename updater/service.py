@@ -481,10 +481,11 @@ class Updater:
         self, rec: UpdateRecord, target: UpdateTarget, saver: RecordSaver
     ) -> None:
         """The rolling loop of :meth:`_roll`: batches by the plan until every replica is on
-        ``target`` (or none is left); a replica failing before the generation is published
-        fails the update here (``rec.state`` FAILED). Cancelled (the updater stops), it cancels
-        and awaits the cycles it started: a cycle cut off in a step leaves its replica to the
-        next updater, which trusts nothing it finds mid-update."""
+        ``target`` (or none is left). Before the generation is published, only the first wave
+        (``first_wave`` replicas) updates; once one of it failed, the update fails here
+        (``rec.state`` FAILED) when the rest of it is back and none published. Cancelled (the
+        updater stops), it cancels and awaits the cycles it started: a cycle cut off in a step
+        leaves its replica to the next updater, which trusts nothing it finds mid-update."""
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
         try:
             await self._roll_batches(rec, target, saver, running)
@@ -502,19 +503,28 @@ class Updater:
     ) -> None:
         s = self.settings
         attempted: set[str] = set()
-        published = False
+        refusal: str | None = None  # the first replica that failed before the publish, and why
         while True:
             records = await self.runner.retrying(self.store.replicas)
             latest = await self.runner.retrying(self.store.latest)
             published = latest is not None and latest[0].number >= target.generation.number
             if published and rec.published_ms is None:
                 rec.published_ms = now_ms()
+            if refusal is not None and not published and not running:
+                rec.error = refusal  # every replica of the first wave is back, none published
+                rec.state, rec.finished_ms = UpdateState.FAILED, now_ms()
+                self._count("failed")
+                return
             if not running and plan.done(records, target.generation.number):
                 rec.rolled_ms = now_ms()
                 rec.staleness_window_s = (rec.rolled_ms - rec.created_ms) / 1000
                 break
-            # before the generation is published, one replica alone: it must prove it first
-            room = (s.max_unavailable if published else 1) - len(running)
+            # before the publish, the first wave only: it must prove the generation; once one
+            # of it failed, no other replica tries the generation until another one proves it
+            if published:
+                room = s.max_unavailable - len(running)
+            else:
+                room = (s.first_wave if refusal is None else 0) - len(running)
             batch = (
                 plan.next_batch(
                     records,
@@ -548,13 +558,8 @@ class Updater:
                 report = task.result()
                 rec.replicas[rid] = report
                 saver.changed()
-                if report.outcome is not ReplicaOutcome.READY and not published:
-                    for t in running.values():
-                        await t
-                    rec.error = f"{rid}: {report.outcome}: {report.reason}"
-                    rec.state, rec.finished_ms = UpdateState.FAILED, now_ms()
-                    self._count("failed")
-                    return
+                if report.outcome is not ReplicaOutcome.READY and refusal is None:
+                    refusal = f"{rid}: {report.outcome}: {report.reason}"
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

@@ -102,6 +102,14 @@ class UpdaterSettings(BaseSettings):
     retire_interval_s: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
+    def _first_wave_fits(self) -> UpdaterSettings:
+        if self.first_wave > self.max_unavailable:
+            raise ValueError(
+                f"first_wave {self.first_wave} exceeds max_unavailable {self.max_unavailable}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora_replicas(self) -> UpdaterSettings:
         if self.generations != "lora":
             return self
@@ -121,8 +129,18 @@ class UpdaterSettings(BaseSettings):
                 )
         return self
 
+    #: The rolling plan (:mod:`updater.plan`): at most this many replicas out of READY at once,
+    #: never fewer than ``min_serving`` admitting.
     max_unavailable: int = Field(default=1, ge=1)
     min_serving: int = Field(default=1, ge=0)
+    #: How many replicas update to a new generation before it is published, together; the
+    #: first of them to pass validation publishes it. 1 (the default): one replica proves a
+    #: checkpoint while the rest serve the current generation. More: they drain and update at
+    #: once and each returns as soon as it is ready, which with ``max_staleness`` 0 (publishing
+    #: closes every replica still on the old generation anyway) shortens the roll; a checkpoint
+    #: that fails validation then taints up to this many replicas (recovery brings them back).
+    #: At most ``max_unavailable``.
+    first_wave: int = Field(default=1, ge=1)
     max_staleness: int = Field(default=0, ge=0)  # must match the routers' setting
     drain_policy: DrainPolicy = DrainPolicy.WAIT
     drain_timeout_s: float = Field(default=300.0, gt=0)

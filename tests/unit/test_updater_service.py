@@ -124,18 +124,20 @@ class WaveRecorder(Transport):
         self.waves.append(sorted(urls))
 
 
-async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: RedisStore) -> None:
-    """Pins that the updater tells the transport which replicas it updates at once (what lets
-    ``nccl_direct`` send them one broadcast), and that the first replica of an update goes alone
-    (nothing is published until it proved the generation): with 3 replicas and
-    ``max_unavailable=2``, r0 alone, then r1 and r2 as one wave. The cycles are stood in for by
-    their store transitions (the rolling plan reads only the store)."""
+async def roll(
+    store: RedisStore, n: int, failing: Collection[str] = (), **plan: int
+) -> tuple[UpdateRecord, WaveRecorder, list[set[str]]]:
+    """One update of ``n`` replicas on generation 0 to generation 1 with the rolling settings
+    ``plan``. The cycles are stood in for by their store transitions (the rolling plan reads
+    only the store): each cycle of a replica in ``failing`` ends TAINTED in VALIDATING, the
+    others READY on g1 (the first publishes it). Returns the record, the waves the transport
+    was told of, and the set of cycles running as each one started."""
     model = ensure_model("random", seed=1)
-    ids = ["r0", "r1", "r2"]
+    ids = [f"r{i}" for i in range(n)]
     settings = UpdaterSettings(
         replicas=[ReplicaConfig(id=i, url=f"http://{i}.test", model=model) for i in ids],
-        max_unavailable=2,
         min_serving=0,
+        **plan,
     )
     recorder = WaveRecorder()
     up = Updater(settings, store, transport=recorder)
@@ -152,12 +154,18 @@ async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: Re
         together.append(set(running))
         await asyncio.sleep(0.05)
         path = [S.READY, S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING]
-        for a, b in itertools.pairwise([*path, S.RESUMING]):
+        for a, b in itertools.pairwise(path):
             await store.transition(m.id, token, a, b, target=g1 if b is S.DRAINING else None)
+        running.discard(m.id)
+        if m.id in failing:
+            await store.transition(m.id, token, S.VALIDATING, S.TAINTED, reason="probe")
+            return ReplicaReport(
+                replica=m.id, generation=1, outcome=ReplicaOutcome.TAINTED, reason="probe"
+            )
+        await store.transition(m.id, token, S.VALIDATING, S.RESUMING)
         await store.transition(
             m.id, token, S.RESUMING, S.READY, generation=g1, identity_digest="i1", publish=True
         )
-        running.discard(m.id)
         return ReplicaReport(replica=m.id, generation=1, outcome=ReplicaOutcome.READY)
 
     up._cycle = cycle  # type: ignore[method-assign]
@@ -172,10 +180,66 @@ async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: Re
         created_ms=0,
     )
     await up._roll(rec, UpdateTarget(g1, ident, model, Probe((1,), (2,))))
+    await up.lease.release()
+    return rec, recorder, together
+
+
+async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: RedisStore) -> None:
+    """Pins that the updater tells the transport which replicas it updates at once (what lets
+    ``nccl_direct`` send them one broadcast), and that the first replica of an update goes alone
+    (nothing is published until it proved the generation): with 3 replicas and
+    ``max_unavailable=2``, r0 alone, then r1 and r2 as one wave."""
+    rec, recorder, together = await roll(store, 3, max_unavailable=2)
     assert rec.state is UpdateState.SUCCEEDED
     assert recorder.waves == [["http://r1.test", "http://r2.test"]]
     assert together[0] == {"r0"} and {"r1", "r2"} in together  # r1 and r2 ran at once
-    await up.lease.release()
+
+
+async def test_a_first_wave_updates_before_the_publish_and_its_first_ready_publishes(
+    store: RedisStore,
+) -> None:
+    """``first_wave`` 3 of 3: every replica drains and updates at once, as one wave, before the
+    generation is published; the update succeeds."""
+    rec, recorder, together = await roll(store, 3, max_unavailable=3, first_wave=3)
+    assert rec.state is UpdateState.SUCCEEDED and rec.published_ms is not None
+    assert recorder.waves == [["http://r0.test", "http://r1.test", "http://r2.test"]]
+    assert {"r0", "r1", "r2"} in together
+    assert {r.state for r in await store.replicas()} == {S.READY}
+
+
+async def test_a_failure_in_the_first_wave_stops_no_other_member_but_starts_no_new_one(
+    store: RedisStore,
+) -> None:
+    """r0 of a first wave of 2 (of 4) fails validation; r1 publishes the generation, so the
+    update goes on (r0 was replica-specific) and rolls r2 and r3; r0 is left to recovery."""
+    rec, _, together = await roll(store, 4, failing={"r0"}, max_unavailable=2, first_wave=2)
+    assert rec.state is UpdateState.SUCCEEDED, rec.error
+    assert together[0] == {"r0"} and {"r0", "r1"} in together
+    assert rec.replicas["r0"].outcome is ReplicaOutcome.TAINTED
+    assert {r: rec.replicas[r].outcome for r in ("r1", "r2", "r3")} == dict.fromkeys(
+        ("r1", "r2", "r3"), ReplicaOutcome.READY
+    )
+
+
+async def test_a_first_wave_that_all_fails_fails_the_update_and_publishes_nothing(
+    store: RedisStore,
+) -> None:
+    """Both members of a first wave of 2 (of 3) fail: the update fails once both are back,
+    the generation is never published, and r2 is never tried."""
+    rec, _, together = await roll(store, 3, failing={"r0", "r1"}, max_unavailable=2, first_wave=2)
+    assert rec.state is UpdateState.FAILED and rec.published_ms is None
+    assert rec.error.startswith("r0: ") or rec.error.startswith("r1: ")
+    assert all("r2" not in t for t in together)
+    latest = await store.latest()
+    assert latest is not None and latest[0].number == 0
+
+
+def test_a_first_wave_larger_than_max_unavailable_is_refused() -> None:
+    model = ensure_model("random", seed=1)
+    with pytest.raises(ValidationError, match="first_wave 2 exceeds max_unavailable 1"):
+        UpdaterSettings(
+            replicas=[ReplicaConfig(id="r0", url="http://r0", model=model)], first_wave=2
+        )
 
 
 async def test_a_lost_transition_gets_the_replica_tainted_and_recovered(store: RedisStore) -> None:

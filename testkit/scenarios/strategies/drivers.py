@@ -302,6 +302,7 @@ class PoolStack:
     work: Path
     max_staleness: int
     max_unavailable: int
+    first_wave: int
     eos_prob: float
     redis: RedisServer | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -314,6 +315,7 @@ class PoolStack:
         return {
             "max_staleness": self.max_staleness,
             "max_unavailable": self.max_unavailable,
+            "first_wave": self.first_wave,
             "min_serving": max(0, n - self.max_unavailable),
             "drain_policy": "wait",
             "drain_timeout_s": 120.0,
@@ -337,6 +339,7 @@ class PoolStack:
                     for i, u in enumerate(self.urls)
                 ],
                 "max_unavailable": s["max_unavailable"],
+                "first_wave": s["first_wave"],
                 "min_serving": s["min_serving"],
                 "max_staleness": s["max_staleness"],
                 "drain_timeout_s": s["drain_timeout_s"],

@@ -58,11 +58,12 @@ class Params:
 
 
 def rolling_k(strategy: str, n: int) -> int:
-    """The pool's ``max_unavailable`` (its own choice). Strict: N, every replica drains and
-    updates at once, each on its own (with ``max_staleness`` 0 publishing g+1 closes every
-    replica still on g anyway, so a roll in waves would leave the pool idle for one window per
-    wave, where stop-the-world idles it for one). At ``max_staleness`` 1: waves of N/8 (at
-    least 1), the replicas on g admitting meanwhile."""
+    """The pool's ``max_unavailable`` and ``first_wave`` (its own choice). Strict: N, every
+    replica drains and updates at once, each on its own and back as soon as it is ready, the
+    first ready one publishing (with ``max_staleness`` 0 publishing g+1 closes every replica
+    still on g anyway, so a first replica alone, then the rest, would leave the pool idle for
+    two windows, where stop-the-world idles it for one). At ``max_staleness`` 1: waves of N/8
+    (at least 1), the first replica alone, the replicas on g admitting meanwhile."""
     return n if strategy == "pool_strict" else max(1, n // 8)
 
 
@@ -139,6 +140,7 @@ async def run_segment(strategy: str, urls: list[str], p: Params, work: Path, see
                     work / f"{strategy}-{seed}",
                     max_staleness=1 if strategy == "pool_staleness1" else 0,
                     max_unavailable=rolling_k(strategy, len(urls)),
+                    first_wave=rolling_k(strategy, len(urls)) if strategy == "pool_strict" else 1,
                     eos_prob=p.eos_prob,
                 )
                 seg.settings = stack.settings
