@@ -6,6 +6,13 @@ strict and at ``max_staleness`` 1, on the same running replicas, interleaved.
         [--short] [--rounds R]
     source tests/gpu/gpu_env.sh && python -m bench.strategies --runs gpu --keep   # GPU host
 
+On the GPU host, runs may go side by side, each into its own results directory seeded with
+this file (its ``calibration`` is the stand-ins' time model), and come back by ``--merge``::
+
+    mkdir -p $OUT/s64 && cp bench/results/strategies.json $OUT/s64/
+    ROLLOUTPOOL_RESULTS=$OUT/s64 python -m bench.strategies --runs standin_64:1 --no-figure
+    python -m bench.strategies --merge .../s64/strategies.json ...   # here: replaces those runs
+
 Runs (each: the replicas started once, then ``rounds`` rounds of the five strategies, the order
 rotated every round so machine noise hits all alike; a strategy's row sums its segments):
 
@@ -128,22 +135,29 @@ async def rounds(
 class Results:
     """The results document, rewritten after every segment (a cut-off run keeps what it has)."""
 
-    def __init__(self, path: Path, keep_old: bool) -> None:
+    def __init__(self, path: Path, keep_old: bool, draw: bool = True) -> None:
         old = json.loads(path.read_text()) if path.exists() else {}
         self.doc: dict[str, Any] = {"runs": {}, "params": {}, "calibration": {}}
         if keep_old:
             for k in ("runs", "params", "calibration"):
                 self.doc[k] = dict(old.get(k, {}))
         self.old_calibration: dict[str, float] = dict(old.get("calibration", {}))
+        self.draw = draw
 
     def put(self, run: str, segs: dict[str, list[Segment]], extra: dict[str, Any]) -> None:
-        self.doc["runs"][run] = {s: row(v) for s, v in segs.items() if v}
+        self.set_run(run, {s: row(v) for s, v in segs.items() if v}, extra)
+
+    def set_run(self, run: str, rows: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Put one run's rows and params in, then recompute the ratios and goals and write."""
+        self.doc["runs"][run] = rows
         self.doc["params"][run] = extra
         r = ratios(self.doc["runs"])
         self.doc["ratios"] = {k: v for k, v in r.items() if k != "per_run"}
         self.doc["ratios_per_run"] = r["per_run"]
         self.doc["goals"] = goals(r)
         write(NAME, self.doc)
+        if not self.draw:
+            return
         for name in ("cpu_real", "standin_8", "standin_32", "standin_64"):
             if name in self.doc["runs"]:
                 figure(self.doc["runs"], name, RESULTS / f"{NAME}.png")
@@ -265,7 +279,7 @@ async def standin(n: int, a: argparse.Namespace, res: Results, work: Path) -> No
             await asyncio.sleep(0.2)
         urls = json.loads(urls_file.read_text())["urls"]
         extra = {"replicas": n, "short": a.short, "dilate": dilate, "time_model": cal,
-                 **asdict(p)}  # fmt: skip
+                 "machine": meta()["machine"], **asdict(p)}  # fmt: skip
 
         async def save(segs: dict[str, list[Segment]]) -> None:
             res.put(run, segs, extra)
@@ -276,7 +290,7 @@ async def standin(n: int, a: argparse.Namespace, res: Results, work: Path) -> No
 
 
 async def main_async(a: argparse.Namespace) -> None:
-    res = Results(RESULTS / f"{NAME}.json", keep_old=a.keep)
+    res = Results(RESULTS / f"{NAME}.json", keep_old=a.keep, draw=not a.no_figure)
     default_rounds = a.rounds
     # every policy's checkpoint built before any clock runs (a first build imports torch: tens
     # of seconds on a loaded box, which a publish must not include)
@@ -340,9 +354,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dilate", type=float, default=2.0, help="time dilation at N >= 32")
     ap.add_argument("--keep", action="store_true", help="keep other runs already in the file")
     ap.add_argument("--table", action="store_true", help="print the results file as markdown")
+    ap.add_argument("--no-figure", action="store_true", help="no PNG (a host without matplotlib)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="put every run of these results files (e.g. from the GPU host, written with "
+        "ROLLOUTPOOL_RESULTS elsewhere) into the results file, replacing runs of the same name",
+    )
     a = ap.parse_args(argv)
     if a.table:
         print(table(json.loads((RESULTS / f"{NAME}.json").read_text())))
+        return
+    if a.merge:
+        res = Results(RESULTS / f"{NAME}.json", keep_old=True)
+        for f in a.merge:
+            other = json.loads(f.read_text())
+            for run, rows in other["runs"].items():
+                res.set_run(run, rows, other["params"][run])
         return
     asyncio.run(main_async(a))
 
