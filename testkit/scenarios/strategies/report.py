@@ -322,7 +322,15 @@ def ratios(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         for rows in runs.values()
         for s in ("pool_strict", "pool_staleness1")
     )
-    n64 = runs.get("standin_64", {}).get("pool_staleness1", {}).get("min_steady_fraction")
+    n64 = min(  # every run at N = 64 (a repeat is named standin_64_<x>)
+        (
+            f
+            for run, rows in runs.items()
+            if run == "standin_64" or run.startswith("standin_64_")
+            if (f := rows.get("pool_staleness1", {}).get("min_steady_fraction")) is not None
+        ),
+        default=None,
+    )
     out: dict[str, Any] = {
         "pool_strict_over_stw_useful_tokens": min(useful.values(), default=None),
         "pool_strict_over_stw_trainer_wait": max(wait.values(), default=None),
