@@ -1,7 +1,9 @@
-"""``python -m bench.test_runs [--loaded]``: the README's test command on a clean clone, timed,
-appended to ``bench/results/test_runs.json``.
+"""``python -m bench.test_runs [--loaded] [--commit REV] [--times N]``: the README's test command
+on a clean clone, timed, appended to ``bench/results/test_runs.json``.
 
-Each run clones the repository's ``HEAD`` into a fresh directory (so the run installs its own
+Each run clones the repository and checks out ``REV`` (default ``HEAD``, resolved once when the
+command starts, so commits made meanwhile do not change what ``--times N`` consecutive runs
+test) in a fresh directory (so the run installs its own
 ``.venv``, as CI does), runs ``bash scripts/test.sh`` there and records ``{commit, rc,
 seconds, loaded}``. With ``--loaded`` the machine is kept busy meanwhile by ``stress-ng --cpu
 <cores>`` (Debian's ``stress-ng``, installed if missing): every core saturated beside the suite,
@@ -37,14 +39,12 @@ def _stress(cores: int) -> subprocess.Popen[bytes]:
     )
 
 
-def run_once(loaded: bool, log: Path) -> dict[str, Any]:
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.strip()
+def run_once(commit: str, loaded: bool, log: Path) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="test-run-") as d:
         clone = Path(d) / "clone"
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+        subprocess.run(["git", "checkout", "-q", commit], cwd=clone, check=True)
         stress = _stress(cores) if loaded else None
         t0 = time.monotonic()
         try:
@@ -73,23 +73,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.test_runs")
     ap.add_argument("--loaded", action="store_true", help="saturate every core meanwhile")
     ap.add_argument("--log", type=Path, default=Path("/tmp/test_run.log"))
+    ap.add_argument("--commit", default="HEAD", help="the revision to test (default HEAD)")
+    ap.add_argument("--times", type=int, default=1, help="runs one after another (logs -1, -2..)")
     args = ap.parse_args()
+    commit = subprocess.run(
+        ["git", "rev-parse", args.commit], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     path = RESULTS / "test_runs.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    run = run_once(args.loaded, args.log)
-    print(json.dumps(run, indent=1))
-    runs = [*old.get("runs", []), run]
-    write(
-        "test_runs",
-        {
-            **old,  # sections other runs and measurements wrote (``diagnostics``) stay
-            "test_command": COMMAND,
-            "on": "a clean clone of HEAD (its own .venv installed by the command, as in CI)",
-            "load_used": "stress-ng --cpu <cores> for the whole run (runs with loaded=true)",
-            "goal_s": 1800,
-            "runs": runs,
-        },
-    )
+    for i in range(args.times):
+        log = args.log if args.times == 1 else args.log.with_stem(f"{args.log.stem}-{i + 1}")
+        run = run_once(commit, args.loaded, log)
+        print(json.dumps(run, indent=1), flush=True)
+        old = json.loads(path.read_text()) if path.exists() else {}  # as it is now
+        write(
+            "test_runs",
+            {
+                **old,  # sections other runs and measurements wrote (``diagnostics``) stay
+                "test_command": COMMAND,
+                "on": "a clean clone of the commit (its own .venv installed by the command, "
+                "as in CI)",
+                "load_used": "stress-ng --cpu <cores> for the whole run (runs with loaded=true)",
+                "goal_s": 1800,
+                "runs": [*old.get("runs", []), run],
+            },
+        )
 
 
 if __name__ == "__main__":
