@@ -40,7 +40,6 @@ across failovers (:mod:`updater.commits`, the runner's base), the evidence of VA
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -72,6 +71,7 @@ from pool.types import Generation, ReplicaState, WeightIdentity
 from updater.commits import Commits
 from updater.config import Deadlines, DrainPolicy
 from updater.deadline import bounded
+from updater.drains import DrainReads
 from updater.failover import EpochGate
 from updater.handle import Probe, ReplicaHandle, UpdateTarget
 from updater.transports.base import Transport, WeightsTarget
@@ -166,7 +166,11 @@ class CycleRunner(Commits):
         self.deadlines = deadlines or Deadlines()
         self.drain_policy = drain_policy
         self.drain_timeout_s = drain_timeout_s
-        self.drain_poll_s = drain_poll_s
+        #: every drain's reads of its replica's record, ``drain_poll_s`` apart, one store call
+        #: per tick for all of them
+        self.drains = DrainReads(
+            lambda ids: self.retrying(lambda: self.store.replicas_of(ids)), drain_poll_s
+        )
         #: The probe part of validation (:data:`updater.validation.Validator`). Default:
         #: :func:`~updater.validation.probe_validate` (label + greedy probe). A GPU harness on
         #: bf16 weights plugs in a teacher-forced log-prob check.
@@ -388,7 +392,7 @@ class CycleRunner(Commits):
         deadline = time.monotonic() + wait_s
         aborted: list[str] | None = None
         while True:
-            rec = await self.read(h)
+            rec = await self.drains.next(h.replica_id)
             if rec.state is S.TAINTED:
                 h.lc = replace(h.lc, state=S.TAINTED, reason=rec.reason)
                 report.outcome = ReplicaOutcome.TAINTED
@@ -408,7 +412,6 @@ class CycleRunner(Commits):
                 deadline = time.monotonic() + 2 * self.store.settings.failover_grace_s
             elif aborted is not None and time.monotonic() >= deadline:
                 return aborted  # the commit to QUIESCED counts again (and refuses if held)
-            await asyncio.sleep(self.drain_poll_s)
 
     async def _validate(
         self,

@@ -40,6 +40,11 @@ class StoreReads(StoreClient):
         ids: set[str] = await self.call(lambda: self.r.smembers(self.k.replicas))
         return await self._replicas(sorted(ids))
 
+    async def replicas_of(self, replica_ids: Iterable[str]) -> list[ReplicaRecord]:
+        """The records of those of ``replica_ids`` that exist, read together (as
+        :meth:`replicas` reads every one)."""
+        return await self._replicas(replica_ids)
+
     async def _replicas(self, ids: Iterable[str]) -> list[ReplicaRecord]:
         """The records of ``ids`` in one pipelined round trip (3 reads each, plus the live
         routers, whose grants alone count) after one read of the server clock."""

@@ -221,25 +221,27 @@ async def test_a_transition_not_replicated_is_not_acted_on_until_it_is(replicate
     """Before: NotReplicated (a StoreUnavailable) was caught by the commit, which read its own
     write back from the primary and went on: the updater drained and transferred on a
     transition a promotion could erase. Now the controller moves only once the replica holds
-    it: with the replica stopped (SIGSTOP) the commit waits; resumed, it completes."""
+    it: with the replica stopped (SIGSTOP) the commit waits; resumed, it completes. The set-up
+    is written without waiting for the replica, then waited for until the replica holds it (a
+    loaded host may take longer than one 0.2 s WAIT to acknowledge a write)."""
     primary, replica = replicated
     plain = StoreSettings(url=primary.url, namespace="repl")
     setup = RedisStore.connect(plain)
     store = RedisStore.connect(plain.model_copy(update={"wait_replicas": 1, "wait_timeout_s": 0.2}))
     try:
+        lease = setup.updater_lease("u")
+        token = await lease.acquire()
+        await setup.register_replica("r0", "http://a.test", token)
+        await setup.transition(
+            "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="i", publish=True
+        )
         deadline = time.monotonic() + 30
-        while True:  # until the replica has synced and acknowledges writes
+        while True:  # until the replica has synced the set-up and acknowledges writes
             try:
                 await store.confirm_replicated()
                 break
             except NotReplicated:
                 assert time.monotonic() < deadline, "the replica never caught up"
-        lease = store.updater_lease("u")
-        token = await lease.acquire()
-        await store.register_replica("r0", "http://a.test", token)
-        await store.transition(
-            "r0", token, S.UNINITIALIZED, S.READY, generation=G0, identity_digest="i", publish=True
-        )
         handle = ReplicaHandle(
             "r0", recording_engine([]), read_manifest(MODEL), Lifecycle(S.READY, G0, "i")
         )
