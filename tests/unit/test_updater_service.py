@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from collections.abc import Collection
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pool.checkpoint import read_manifest
@@ -124,14 +127,19 @@ class WaveRecorder(Transport):
         self.waves.append(sorted(urls))
 
 
-async def roll(
-    store: RedisStore, n: int, failing: Collection[str] = (), **plan: int
-) -> tuple[UpdateRecord, WaveRecorder, list[set[str]]]:
+class Rolled(NamedTuple):
+    rec: UpdateRecord
+    waves: list[list[str]]  # what the transport was told of
+    together: list[set[str]]  # the cycles running as each one started
+    started: list[str]  # the cycles in the order they started
+    before_publish: list[str]  # those started while g1 was not published
+
+
+async def roll(store: RedisStore, n: int, failing: Collection[str] = (), **plan: int) -> Rolled:
     """One update of ``n`` replicas on generation 0 to generation 1 with the rolling settings
     ``plan``. The cycles are stood in for by their store transitions (the rolling plan reads
     only the store): each cycle of a replica in ``failing`` ends TAINTED in VALIDATING, the
-    others READY on g1 (the first publishes it). Returns the record, the waves the transport
-    was told of, and the set of cycles running as each one started."""
+    others READY on g1 (the first publishes it)."""
     model = ensure_model("random", seed=1)
     ids = [f"r{i}" for i in range(n)]
     settings = UpdaterSettings(
@@ -147,11 +155,17 @@ async def roll(
         await store.register_replica(i, f"http://{i}.test", token)
         await store.transition(i, token, S.UNINITIALIZED, S.READY, generation=g0, publish=True)
     together: list[set[str]] = []
+    started: list[str] = []
+    before_publish: list[str] = []
     running: set[str] = set()
 
     async def cycle(m: Any, target: UpdateTarget, rec: UpdateRecord) -> ReplicaReport:
+        started.append(m.id)
         running.add(m.id)
         together.append(set(running))
+        latest = await store.latest()
+        if latest is None or latest[0].number < 1:
+            before_publish.append(m.id)
         await asyncio.sleep(0.05)
         path = [S.READY, S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING]
         for a, b in itertools.pairwise(path):
@@ -181,7 +195,7 @@ async def roll(
     )
     await up._roll(rec, UpdateTarget(g1, ident, model, Probe((1,), (2,))))
     await up.lease.release()
-    return rec, recorder, together
+    return Rolled(rec, recorder.waves, together, started, before_publish)
 
 
 async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: RedisStore) -> None:
@@ -189,9 +203,9 @@ async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: Re
     ``nccl_direct`` send them one broadcast), and that the first replica of an update goes alone
     (nothing is published until it proved the generation): with 3 replicas and
     ``max_unavailable=2``, r0 alone, then r1 and r2 as one wave."""
-    rec, recorder, together = await roll(store, 3, max_unavailable=2)
+    rec, waves, together, _, _ = await roll(store, 3, max_unavailable=2)
     assert rec.state is UpdateState.SUCCEEDED
-    assert recorder.waves == [["http://r1.test", "http://r2.test"]]
+    assert waves == [["http://r1.test", "http://r2.test"]]
     assert together[0] == {"r0"} and {"r1", "r2"} in together  # r1 and r2 ran at once
 
 
@@ -200,9 +214,9 @@ async def test_a_first_wave_updates_before_the_publish_and_its_first_ready_publi
 ) -> None:
     """``first_wave`` 3 of 3: every replica drains and updates at once, as one wave, before the
     generation is published; the update succeeds."""
-    rec, recorder, together = await roll(store, 3, max_unavailable=3, first_wave=3)
+    rec, waves, together, _, _ = await roll(store, 3, max_unavailable=3, first_wave=3)
     assert rec.state is UpdateState.SUCCEEDED and rec.published_ms is not None
-    assert recorder.waves == [["http://r0.test", "http://r1.test", "http://r2.test"]]
+    assert waves == [["http://r0.test", "http://r1.test", "http://r2.test"]]
     assert {"r0", "r1", "r2"} in together
     assert {r.state for r in await store.replicas()} == {S.READY}
 
@@ -212,7 +226,7 @@ async def test_a_failure_in_the_first_wave_stops_no_other_member_but_starts_no_n
 ) -> None:
     """r0 of a first wave of 2 (of 4) fails validation; r1 publishes the generation, so the
     update goes on (r0 was replica-specific) and rolls r2 and r3; r0 is left to recovery."""
-    rec, _, together = await roll(store, 4, failing={"r0"}, max_unavailable=2, first_wave=2)
+    rec, _, together, _, _ = await roll(store, 4, failing={"r0"}, max_unavailable=2, first_wave=2)
     assert rec.state is UpdateState.SUCCEEDED, rec.error
     assert together[0] == {"r0"} and {"r0", "r1"} in together
     assert rec.replicas["r0"].outcome is ReplicaOutcome.TAINTED
@@ -226,12 +240,63 @@ async def test_a_first_wave_that_all_fails_fails_the_update_and_publishes_nothin
 ) -> None:
     """Both members of a first wave of 2 (of 3) fail: the update fails once both are back,
     the generation is never published, and r2 is never tried."""
-    rec, _, together = await roll(store, 3, failing={"r0", "r1"}, max_unavailable=2, first_wave=2)
+    rec, _, together, _, _ = await roll(
+        store, 3, failing={"r0", "r1"}, max_unavailable=2, first_wave=2
+    )
     assert rec.state is UpdateState.FAILED and rec.published_ms is None
     assert rec.error.startswith("r0: ") or rec.error.startswith("r1: ")
     assert all("r2" not in t for t in together)
     latest = await store.latest()
     assert latest is not None and latest[0].number == 0
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    # each example connects to its own namespace: the fixture's Redis is shared on purpose
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=st.integers(1, 5),
+    wave=st.integers(1, 5),
+    extra=st.integers(0, 4),
+    failing=st.sets(st.sampled_from([f"r{i}" for i in range(5)])),
+)
+def test_any_first_wave_keeps_the_plan_and_ends_by_its_failures(
+    store_settings: StoreSettings, n: int, wave: int, extra: int, failing: set[str]
+) -> None:
+    """For any pool size, first wave, ``max_unavailable`` and set of replicas whose cycles
+    fail: at most ``first_wave`` cycles start before the generation is published; each replica
+    is tried at most once; the update succeeds exactly when a replica of the first wave proved
+    the generation, and then every replica is tried; when the whole first wave fails, no
+    other replica is tried and nothing is published."""
+    first_wave = min(wave, n)
+    failing = {r for r in failing if int(r[1:]) < n}
+
+    async def body() -> None:
+        ns = f"t{uuid.uuid4().hex[:12]}"
+        store = RedisStore.connect(store_settings.model_copy(update={"namespace": ns}))
+        try:
+            rec, _, _, tried, early = await roll(
+                store,
+                n,
+                failing,
+                max_unavailable=min(n, first_wave + extra),
+                first_wave=first_wave,
+            )
+            latest = await store.latest()
+        finally:
+            await store.close()
+        assert len(early) <= first_wave and len(tried) == len(set(tried))
+        proved = [r for r in early if r not in failing]
+        if proved:
+            assert rec.state is UpdateState.SUCCEEDED, rec.error
+            assert set(tried) == {f"r{i}" for i in range(n)}
+        else:
+            assert rec.state is UpdateState.FAILED and rec.published_ms is None
+            assert set(tried) == set(early) and latest is not None and latest[0].number == 0
+
+    asyncio.run(body())
 
 
 def test_a_first_wave_larger_than_max_unavailable_is_refused() -> None:
