@@ -1,10 +1,14 @@
-"""The strategies benchmark's policy accounting and its EOS markers (no server, no timing)."""
+"""The strategies benchmark's policy accounting, its EOS markers and its pool client (no
+timing)."""
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from rolloutpool.local.models import EOS
+from testkit.scenarios.strategies.drivers import PoolTarget
 from testkit.scenarios.strategies.models import MARKERS, eos_marker, policy_marker
 from testkit.scenarios.strategies.workload import (
     Piece,
@@ -97,3 +101,35 @@ def test_the_eos_marker_ends_samples_geometrically_on_the_stand_in() -> None:
         lengths.append(toks.index(EOS) + 1 if EOS in toks else 256)
     mean = sum(lengths) / len(lengths)
     assert 12 < mean < 20  # geometric, mean 1/p = 16 (400 draws: sd of the mean about 0.8)
+
+
+async def test_the_pool_client_sends_a_withheld_session_turn_again() -> None:
+    """A session's turn answered 503 ``store_unavailable`` (the router could not confirm the
+    binding, so it withheld the output: what a loaded host produced in a clean-clone run) is
+    sent again in the same session, as the pool's own clients retry a 503, and counted; before,
+    the benchmark's client counted it as an error."""
+    calls: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        calls.append(request.headers.get("X-Rollout-Id"))
+        if len(calls) == 1:
+            return web.json_response({"error": {"code": "store_unavailable"}}, status=503)
+        rollout = {"generation": 3, "replica": "r0"}
+        return web.json_response({"choices": [{"token_ids": [5, 6]}], "rollout": rollout})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    target = PoolTarget(f"http://127.0.0.1:{port}")
+    try:
+        async with aiohttp.ClientSession() as http:
+            ctx = {"session": "ro-s", "generation": 3}
+            turn = await target.turn(http, ctx, [1, 2], 4)
+    finally:
+        await runner.cleanup()
+    assert calls == ["ro-s", "ro-s"] and target.retries_503 == 1
+    assert turn.pieces == [Piece(3, (5, 6))]

@@ -229,8 +229,11 @@ async def prepare_replicas(engines: list[VllmEngine], eos_prob: float) -> None:
 
 class PoolTarget:
     """Requests through the pool's router: singles on ``/v1/completions``, sessions opened with
-    ``/v1/rollouts`` and carried by ``X-Rollout-Id``. A 503 (no admissible replica after the
-    router's admission wait) is retried after 0.2 s, a 429 ``session_busy`` after 20 ms."""
+    ``/v1/rollouts`` and carried by ``X-Rollout-Id``. As the pool's own clients do
+    (``rolloutpool.integrations.trl``), a 503 is retried after 0.2 s: no admissible replica
+    after the router's admission wait, or an answer withheld because the store could not
+    confirm its binding (``store_unavailable``; a session's turn is sent again in the same
+    session); a 429 ``session_busy`` after 20 ms. Both are counted."""
 
     def __init__(self, router_url: str) -> None:
         self.url = router_url
@@ -266,7 +269,7 @@ class PoolTarget:
         while True:
             async with http.post(self.url + "/v1/completions", json=body, headers=headers) as r:
                 data = await r.json(content_type=None)
-                if r.status == 503 and not ctx["session"]:
+                if r.status == 503:
                     self.retries_503 += 1
                     await asyncio.sleep(0.2)
                     continue
