@@ -47,7 +47,14 @@ class DrainReads:
     async def _tick(self) -> None:
         while self._waiting:
             await asyncio.sleep(self.every_s)
-            self._taken, self._waiting = self._waiting, {}
+            self._taken = {
+                rid: live
+                for rid, futs in self._waiting.items()
+                if (live := [f for f in futs if not f.done()])  # not cancelled meanwhile
+            }
+            self._waiting = {}
+            if not self._taken:
+                continue  # nobody waits any more (e.g. the updater stopped): no read
             try:
                 found = {r.replica_id: r for r in await self._read(sorted(self._taken))}
             except Exception as e:

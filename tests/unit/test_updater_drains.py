@@ -118,3 +118,18 @@ async def test_cancelling_the_ticker_cancels_its_waiters_instead_of_leaving_them
     drains._ticker.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(waiter, 5)
+
+
+async def test_a_tick_whose_waiters_all_left_reads_nothing(store: RedisStore) -> None:
+    """Waiters cancelled before their tick (the updater stopping its cycles) cost no read."""
+    ids = await pool_of(store, 2)
+    read = Counted(store)
+    drains = DrainReads(read, every_s=0.05)
+    waiters = [asyncio.create_task(drains.next(rid)) for rid in ids]
+    await asyncio.sleep(0)
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert drains._ticker is not None
+    await drains._ticker
+    assert read.calls == []
