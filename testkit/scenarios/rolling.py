@@ -253,13 +253,19 @@ async def push(up: Updater, g: int, timeout_s: float = 300) -> dict[str, Any]:
             probe=ProbeSpec(prompt_token_ids=PROBE_PROMPT, expected_token_ids=[tok] * 4),
         )
     )
-    deadline = time.monotonic() + timeout_s
+    deadline, cur = time.monotonic() + timeout_s, rec
     while time.monotonic() < deadline:
         cur = await up.get(rec.id)
         if cur.state.value in ("succeeded", "failed", "superseded"):
             return cur.model_dump(mode="json")
         await asyncio.sleep(0.05)
-    raise TimeoutError(f"update to g{g}")
+    replicas = {
+        r.replica_id: (r.state.value, r.generation, r.busy) for r in await up.store.replicas()
+    }
+    raise TimeoutError(  # what the update and the replicas were doing, for the failure report
+        f"update to g{g}: {cur.model_dump_json(include={'state', 'error', 'replicas'})}; "
+        f"replicas (state, generation, busy): {replicas}"
+    )
 
 
 async def stuck_transfer(
