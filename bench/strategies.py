@@ -146,23 +146,26 @@ class Results:
 
     def put(self, run: str, segs: dict[str, list[Segment]], extra: dict[str, Any]) -> None:
         self.set_run(run, {s: row(v) for s, v in segs.items() if v}, extra)
+        self.save()
 
     def set_run(self, run: str, rows: dict[str, Any], extra: dict[str, Any]) -> None:
-        """Put one run's rows and params in, then recompute the ratios and goals and write."""
+        """Put one run's rows and params in (replacing a run of that name)."""
         self.doc["runs"][run] = rows
         self.doc["params"][run] = extra
+
+    def save(self) -> None:
+        """Recompute the ratios and goals, draw the figure (unless told not to) and write."""
         r = ratios(self.doc["runs"])
         self.doc["ratios"] = {k: v for k, v in r.items() if k != "per_run"}
         self.doc["ratios_per_run"] = r["per_run"]
         self.doc["goals"] = goals(r)
+        if self.draw:
+            for name in ("cpu_real", "standin_8", "standin_32", "standin_64"):
+                if name in self.doc["runs"]:
+                    figure(self.doc["runs"], name, RESULTS / f"{NAME}.png")
+                    self.doc["figure_run"] = name
+                    break
         write(NAME, self.doc)
-        if not self.draw:
-            return
-        for name in ("cpu_real", "standin_8", "standin_32", "standin_64"):
-            if name in self.doc["runs"]:
-                figure(self.doc["runs"], name, RESULTS / f"{NAME}.png")
-                self.doc["figure_run"] = name
-                break
 
 
 def gpu_spec(i: int, model: Path, work: Path) -> ReplicaSpec:
@@ -373,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             other = json.loads(f.read_text())
             for run, rows in other["runs"].items():
                 res.set_run(run, rows, other["params"][run])
+        res.save()
         return
     asyncio.run(main_async(a))
 

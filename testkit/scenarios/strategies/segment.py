@@ -135,12 +135,13 @@ async def run_segment(strategy: str, urls: list[str], p: Params, work: Path, see
             await prepare_replicas(engines, p.eos_prob)
             target: Target
             if strategy in POOLS:
+                k = rolling_k(strategy, len(urls))
                 stack = PoolStack(
                     urls,
                     work / f"{strategy}-{seed}",
                     max_staleness=1 if strategy == "pool_staleness1" else 0,
-                    max_unavailable=rolling_k(strategy, len(urls)),
-                    first_wave=rolling_k(strategy, len(urls)) if strategy == "pool_strict" else 1,
+                    max_unavailable=k,
+                    first_wave=k if strategy == "pool_strict" else 1,
                     eos_prob=p.eos_prob,
                 )
                 seg.settings = stack.settings
