@@ -467,15 +467,14 @@ class Updater:
         finally:
             del self._savers[rec.id]
             await saver.close()
-        if rec.state is UpdateState.FAILED:
-            return
-        ok = rec.published_ms is not None and not rec.error
-        rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
-        rec.finished_ms = now_ms()
-        self._count("succeeded" if ok else "failed")
-        if self.metrics is not None and rec.staleness_window_s is not None:
-            self.metrics.staleness_window.observe(rec.staleness_window_s)
-        await self.records.save(rec)
+        if rec.state is not UpdateState.FAILED:  # else the roll failed it (and counted it)
+            ok = rec.published_ms is not None and not rec.error
+            rec.state = UpdateState.SUCCEEDED if ok else UpdateState.FAILED
+            rec.finished_ms = now_ms()
+            self._count("succeeded" if ok else "failed")
+            if self.metrics is not None and rec.staleness_window_s is not None:
+                self.metrics.staleness_window.observe(rec.staleness_window_s)
+        await self.records.save(rec)  # the end, whichever it is: the saver may hold none of it
 
     async def _roll_replicas(
         self, rec: UpdateRecord, target: UpdateTarget, saver: RecordSaver

@@ -133,6 +133,7 @@ class Rolled(NamedTuple):
     together: list[set[str]]  # the cycles running as each one started
     started: list[str]  # the cycles in the order they started
     before_publish: list[str]  # those started while g1 was not published
+    stored: UpdateRecord  # the record in the store once the update ended
 
 
 async def roll(store: RedisStore, n: int, failing: Collection[str] = (), **plan: int) -> Rolled:
@@ -193,9 +194,11 @@ async def roll(store: RedisStore, n: int, failing: Collection[str] = (), **plan:
         identity_digest=ident.digest,
         created_ms=0,
     )
+    await up.records.save(rec)
     await up._roll(rec, UpdateTarget(g1, ident, model, Probe((1,), (2,))))
     await up.lease.release()
-    return Rolled(rec, recorder.waves, together, started, before_publish)
+    stored = await store.update(rec.id)
+    return Rolled(rec, recorder.waves, together, started, before_publish, stored)
 
 
 async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: RedisStore) -> None:
@@ -203,7 +206,7 @@ async def test_each_batch_of_several_replicas_is_announced_as_one_wave(store: Re
     ``nccl_direct`` send them one broadcast), and that the first replica of an update goes alone
     (nothing is published until it proved the generation): with 3 replicas and
     ``max_unavailable=2``, r0 alone, then r1 and r2 as one wave."""
-    rec, waves, together, _, _ = await roll(store, 3, max_unavailable=2)
+    rec, waves, together, _, _, _ = await roll(store, 3, max_unavailable=2)
     assert rec.state is UpdateState.SUCCEEDED
     assert waves == [["http://r1.test", "http://r2.test"]]
     assert together[0] == {"r0"} and {"r1", "r2"} in together  # r1 and r2 ran at once
@@ -214,7 +217,7 @@ async def test_a_first_wave_updates_before_the_publish_and_its_first_ready_publi
 ) -> None:
     """``first_wave`` 3 of 3: every replica drains and updates at once, as one wave, before the
     generation is published; the update succeeds."""
-    rec, waves, together, _, _ = await roll(store, 3, max_unavailable=3, first_wave=3)
+    rec, waves, together, _, _, _ = await roll(store, 3, max_unavailable=3, first_wave=3)
     assert rec.state is UpdateState.SUCCEEDED and rec.published_ms is not None
     assert waves == [["http://r0.test", "http://r1.test", "http://r2.test"]]
     assert {"r0", "r1", "r2"} in together
@@ -226,7 +229,9 @@ async def test_a_failure_in_the_first_wave_stops_no_other_member_but_starts_no_n
 ) -> None:
     """r0 of a first wave of 2 (of 4) fails validation; r1 publishes the generation, so the
     update goes on (r0 was replica-specific) and rolls r2 and r3; r0 is left to recovery."""
-    rec, _, together, _, _ = await roll(store, 4, failing={"r0"}, max_unavailable=2, first_wave=2)
+    rec, _, together, _, _, _ = await roll(
+        store, 4, failing={"r0"}, max_unavailable=2, first_wave=2
+    )
     assert rec.state is UpdateState.SUCCEEDED, rec.error
     assert together[0] == {"r0"} and {"r0", "r1"} in together
     assert rec.replicas["r0"].outcome is ReplicaOutcome.TAINTED
@@ -240,14 +245,25 @@ async def test_a_first_wave_that_all_fails_fails_the_update_and_publishes_nothin
 ) -> None:
     """Both members of a first wave of 2 (of 3) fail: the update fails once both are back,
     the generation is never published, and r2 is never tried."""
-    rec, _, together, _, _ = await roll(
+    rec, _, together, _, _, stored = await roll(
         store, 3, failing={"r0", "r1"}, max_unavailable=2, first_wave=2
     )
     assert rec.state is UpdateState.FAILED and rec.published_ms is None
+    assert stored.state is UpdateState.FAILED and stored.error == rec.error  # readers see it
     assert rec.error.startswith("r0: ") or rec.error.startswith("r1: ")
     assert all("r2" not in t for t in together)
     latest = await store.latest()
     assert latest is not None and latest[0].number == 0
+
+
+async def test_a_failed_update_is_failed_in_the_store_too(store: RedisStore) -> None:
+    """The first replica (``first_wave`` 1) fails: the update's end is saved, not only its
+    last report; a reader of the stored record (``GET /v1/updates/{id}`` once the update left
+    memory, a trainer polling it) sees it FAILED, never ``running`` for ever."""
+    rec, _, _, started, _, stored = await roll(store, 2, failing={"r0"})
+    assert rec.state is UpdateState.FAILED and started == ["r0"]
+    assert stored.state is UpdateState.FAILED and stored.error == rec.error
+    assert stored.finished_ms is not None
 
 
 @settings(
@@ -277,7 +293,7 @@ def test_any_first_wave_keeps_the_plan_and_ends_by_its_failures(
         ns = f"t{uuid.uuid4().hex[:12]}"
         store = RedisStore.connect(store_settings.model_copy(update={"namespace": ns}))
         try:
-            rec, _, _, tried, early = await roll(
+            rec, _, _, tried, early, _ = await roll(
                 store,
                 n,
                 failing,
