@@ -122,7 +122,10 @@ class RedisStore(StoreReads):
         run = self.run_durable if session else self._batched
         try:
             out = await run(self._admit, keys, args)
-            if out[0] == "refused" and out[1] == "client_quota" and await self._prune(keys[7]):
+            if out[0] == "refused" and out[1] == "client_quota":
+                # tried again even if this prune removed nothing: another router's prune may
+                # have emptied the set between the refusal and this read
+                await self._prune(keys[7])
                 out = await run(self._admit, keys, args)
         except NotReplicated:
             # the binding may hold a slot on the primary: end it now, not when its lease does

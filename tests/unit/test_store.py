@@ -302,6 +302,37 @@ async def test_a_clients_open_sessions_are_capped_in_redis(store: RedisStore) ->
     assert 0 < await store.r.pttl(key) <= 120_000
 
 
+async def test_a_quota_refusal_after_another_routers_prune_is_tried_again(
+    store: RedisStore, store_settings: StoreSettings
+) -> None:
+    """A client's session set full of ended sessions, and two routers admitting for it at
+    once: both are refused by the count, and the other router's prune empties the set before
+    this one reads it. This prune then removes nothing, yet the set has room: the admission
+    must be tried again, not refused (clients of two routers got 429 ``client_sessions`` with
+    fewer sessions open than their quota). The interleaving is forced: this router's prune
+    starts only once the other one's has ended."""
+    token = await store.updater_lease().acquire()
+    await ready_replica(store, token)
+    terms = Terms(owner="key:a", max_age_s=60, quota_key="key:a", quota=2)
+    await store.admit("a1", "r0", session=True, terms=terms)
+    await store.admit("a2", "r0", session=True, terms=terms)
+    await store.abort_active("r0", "ended")  # the set is full, of ended sessions only
+    other = RedisStore.connect(store_settings)
+
+    class Late(RedisStore):
+        async def _prune(self, sessions_key: str) -> int:
+            assert await other._prune(sessions_key) == 2  # the other router's, first
+            return await super()._prune(sessions_key)
+
+    late = Late(store.r, store.settings)
+    try:
+        adm = await late.admit("a3", "r0", session=True, terms=terms)
+        assert adm.rollout_id == "a3"
+        assert await store.r.smembers(store.k.client_sessions("key:a")) == {"a3"}
+    finally:
+        await other.close()
+
+
 async def test_declare_generation_is_write_once_and_monotonic(store: RedisStore) -> None:
     token = await store.updater_lease().acquire()
     await ready_replica(store, token)
