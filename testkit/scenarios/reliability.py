@@ -198,6 +198,21 @@ async def _sentinel(url: str, model: str | None, first_token: asyncio.Event) -> 
         pass
 
 
+def _answer(call: asyncio.Task[httpx.Response]) -> str:
+    """What an ended rollout call got: status and error code, or the exception."""
+    if call.cancelled():
+        return "cancelled"
+    exc = call.exception()
+    if exc is not None:
+        return type(exc).__name__
+    r = call.result()
+    try:
+        code = r.json().get("error", {}).get("code")
+    except ValueError:
+        code = None
+    return f"{r.status_code} {code or ''}".strip()
+
+
 async def watch_recovery(
     store: RedisStore, replica_id: str, t0: float, *, timeout_s: float, poll_s: float = 0.05
 ) -> tuple[float | None, float | None]:
@@ -215,38 +230,62 @@ async def watch_recovery(
     return detected, recovered
 
 
+#: Tries at catching the rollouts in flight (see :func:`replica_fault`).
+FAULT_TRIES = 3
+
+
 async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, Any]:
+    """Send ``sig`` to r1's process group while ``n`` session rollouts pinned to it are
+    generating; what each of them got and what its binding says. A try in which one of them
+    had already ended when the fault was due (e.g. a 503 while a starved host left Redis
+    unanswered past the socket timeout) cannot show what the fault does to it: its rollouts
+    are cancelled, and the fault waits for another try (``discarded_tries`` says why)."""
     m = env.updater.replicas["r1"]
     launcher = local_launcher(env.updater, "r1")
     assert launcher.pid is not None
+    body = {
+        "model": "rolloutpool",
+        "prompt": [5, 6, 7],
+        "max_tokens": LONG,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
+    discarded: list[dict[str, Any]] = []
+    done_at: dict[str, float] = {}  # when each rollout's call ended, by id (unique across tries)
     async with httpx.AsyncClient(base_url=env.router_url, timeout=90) as http:
-        ids = await _pinned_sessions(env, http, "r1", n)
-        body = {
-            "model": "rolloutpool",
-            "prompt": [5, 6, 7],
-            "max_tokens": LONG,
-            "temperature": 1.0,
-            "ignore_eos": True,
-        }
-        done_at: dict[str, float] = {}
+        for _ in range(FAULT_TRIES):
+            ids = await _pinned_sessions(env, http, "r1", n)
 
-        async def call(rollout_id: str) -> httpx.Response:
-            try:
-                return await http.post(
-                    "/v1/completions", json=body, headers={"X-Rollout-Id": rollout_id}
-                )
-            finally:
-                done_at[rollout_id] = time.monotonic()
+            async def call(rollout_id: str) -> httpx.Response:
+                try:
+                    return await http.post(
+                        "/v1/completions", json=body, headers={"X-Rollout-Id": rollout_id}
+                    )
+                finally:
+                    done_at[rollout_id] = time.monotonic()
 
-        calls = [asyncio.create_task(call(i)) for i in ids]
-        # Fault once a sentinel rollout sent straight to the replica after them has streamed its
-        # first token: the rollouts under test are then generating, far from their last token.
-        # (A fixed sleep raced; so did polling /metrics, which vLLM answers late while busy.)
-        sentinel = asyncio.Event()
-        drain = asyncio.create_task(
-            _sentinel(m.handle.engine.url, m.handle.engine.model_id, sentinel)
-        )
-        await asyncio.wait_for(sentinel.wait(), timeout=60)
+            calls = [asyncio.create_task(call(i)) for i in ids]
+            # Fault once a sentinel rollout sent straight to the replica after them has
+            # streamed its first token: the rollouts under test are then generating, far from
+            # their last token. (A fixed sleep raced; so did polling /metrics, which vLLM
+            # answers late while busy.)
+            sentinel = asyncio.Event()
+            drain = asyncio.create_task(
+                _sentinel(m.handle.engine.url, m.handle.engine.model_id, sentinel)
+            )
+            await asyncio.wait_for(sentinel.wait(), timeout=60)
+            ended = [(i, c) for i, c in zip(ids, calls, strict=True) if c.done()]
+            if not ended:
+                break
+            discarded.append({i: _answer(c) for i, c in ended})
+            for c in calls:
+                c.cancel()
+            drain.cancel()
+            await asyncio.gather(*calls, drain, return_exceptions=True)
+            for i in ids:
+                await http.post(f"/v1/rollouts/{i}/close")
+        else:
+            raise RuntimeError(f"no try caught the rollouts in flight: {discarded}")
         t0 = time.monotonic()
         os.killpg(launcher.pid, sig)
         detected, recovered = await watch_recovery(env.store, "r1", t0, timeout_s=300)
@@ -306,6 +345,7 @@ async def replica_fault(env: Env, sig: signal.Signals, n: int = 2) -> dict[str, 
         and rec.generation == latest[0].number,
         "recovered_after_s": None if recovered is None else round(recovered, 1),
         "outcomes": outcomes,
+        "discarded_tries": discarded,
         "health": {
             "interval_s": env.updater.settings.health_interval_s,
             "timeout_s": env.updater.settings.health_timeout_s,
