@@ -7,9 +7,9 @@ environment without side effects (pure, unit-testable). :class:`LocalReplica` ru
   EngineCore and worker processes can be signalled together), logs stdout+stderr to
   ``<work_dir>/server.log``, then polls ``GET /health`` **and** one tiny greedy completion
   (``max_tokens=1``) until both succeed or a startup deadline passes: ``startup_timeout_s``
-  counts only while the process group makes no progress (no CPU time, no log output for
-  ``startup_stall_s``), so a start slowed by a saturated host is not killed halfway and begun
-  again; ``startup_max_s`` bounds every start. ``/health`` alone is not
+  counts only while the process group makes no progress (no CPU time, no wait for a CPU, no
+  log output for ``startup_stall_s``), so a start slowed or starved by a saturated host is not
+  killed halfway and begun again; ``startup_max_s`` bounds every start. ``/health`` alone is not
   trusted: it answers 200 before the engine has run a request, and some engines die on their
   first one (the eager-bf16 SIGILL in ``reference/vllm-cpu.md`` §8). On any failure the process
   group is killed and :class:`LaunchError` is raised with the exit code and the log's tail;
@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,18 +47,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pool.errors import RolloutPoolError
 from pool.paths import default_cache_root
 from pool.ports import free_port
+from pool.procgroup import (
+    StartupProgress,
+    parse_cpus,
+    thread_affinity,
+    widen_affinity,
+)
 
 __all__ = [
     "LaunchError",
     "LocalReplica",
     "ReplicaSpec",
-    "StartupProgress",
     "count_launches",
     "free_port",
-    "group_cpu_seconds",
     "log_tail",
-    "parse_cpus",
-    "widen_affinity",
 ]
 
 MIB = 1024 * 1024
@@ -134,7 +135,7 @@ class ReplicaSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     work_dir: Path | None = None
     #: The start fails once it is older than ``startup_timeout_s`` *and* its process group has
-    #: made no progress (CPU time or log output, see :class:`StartupProgress`) for
+    #: made no progress (CPU time, run-queue wait or log output, see :class:`StartupProgress`) for
     #: ``startup_stall_s``, or in any case once it is older than ``startup_max_s``. A start that
     #: is slow because the host is saturated keeps going; one that hangs is killed.
     startup_timeout_s: float = Field(default=240.0, gt=0)
@@ -223,119 +224,6 @@ def _default_work_dir(name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
 
 
-def parse_cpus(spec: str | None) -> set[int] | None:
-    """``"1"``, ``"0-3"``, ``"0,2"`` → CPU ids; ``None`` for anything else (``"auto"``, vLLM's
-    per-rank ``"0-3|4-7"``, ``"nobind"``)."""
-    if not spec:
-        return None
-    cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        return None
-    return cpus or None
-
-
-def _group_stats(pgid: int) -> dict[int, list[str]]:
-    """``/proc/<pid>/stat`` fields after ``pid (comm)`` (state first) of each live process of
-    group ``pgid``; empty where ``/proc`` is unavailable."""
-    out: dict[int, list[str]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            raw = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        fields = raw[raw.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid:  # pgrp
-            out[int(entry.name)] = fields
-    return out
-
-
-@contextlib.contextmanager
-def _thread_affinity(cpus: set[int] | None) -> Iterator[None]:
-    """Run the block with the calling thread (only) confined to ``cpus`` (None: unchanged)."""
-    if cpus is None:
-        yield
-        return
-    own = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, own)
-
-
-def widen_affinity(pgid: int, cpus: set[int], skip_comm_prefix: str = "VLLM::Worker") -> int:
-    """Set every thread of group ``pgid`` to ``cpus``, except processes whose name starts with
-    ``skip_comm_prefix`` (vLLM binds its CPU worker's threads itself). Returns threads changed.
-    Linux only (a no-op elsewhere); threads that exit meanwhile are ignored."""
-    if not hasattr(os, "sched_setaffinity"):
-        return 0
-    changed = 0
-    for pid in _group_stats(pgid):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().startswith(skip_comm_prefix):
-                continue
-            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-        except OSError:
-            continue
-        for tid in tids:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, cpus)
-                changed += 1
-    return changed
-
-
-def group_cpu_seconds(pgid: int) -> float | None:
-    """CPU seconds used by the live processes of process group ``pgid`` (plus the children they
-    have reaped), from ``/proc``; ``None`` where ``/proc`` is not available (not Linux)."""
-    if not Path("/proc/self/stat").exists():
-        return None
-    ticks = sum(  # utime, stime, cutime, cstime
-        sum(int(f) for f in fields[11:15]) for fields in _group_stats(pgid).values()
-    )
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-class StartupProgress:
-    """Whether a starting process group is still doing something.
-
-    :meth:`sample` marks progress when, since the last mark, the group used at least
-    ``min_cpu_s`` of CPU or the log grew. A start starved by a saturated host still uses CPU
-    (imports, then the engine's own start); a hung one (a lock, a peer that never answers) does
-    not. Without ``/proc`` only the log counts. Not thread-safe; cheap (one ``/proc`` scan).
-    """
-
-    def __init__(self, pgid: int, log_path: Path, now: float, min_cpu_s: float = 0.5) -> None:
-        self.pgid = pgid
-        self.log_path = log_path
-        self.min_cpu_s = min_cpu_s
-        self.last = now
-        self._cpu = group_cpu_seconds(pgid)
-        self._log = self._log_size()
-
-    def _log_size(self) -> int:
-        try:
-            return self.log_path.stat().st_size
-        except OSError:
-            return 0
-
-    def sample(self, now: float) -> None:
-        cpu, size = group_cpu_seconds(self.pgid), self._log_size()
-        moved = size > self._log
-        if cpu is not None and self._cpu is not None:
-            moved = moved or cpu - self._cpu >= self.min_cpu_s
-            if cpu < self._cpu:  # a process exited with its time: re-base
-                self._cpu = cpu
-        if moved:
-            self.last, self._cpu, self._log = now, cpu, size
-
-    def stalled_for(self, now: float) -> float:
-        return now - self.last
-
-
 class LocalReplica:
     """One local vLLM server process group, started and stopped by this object.
 
@@ -404,7 +292,7 @@ class LocalReplica:
         # inherits the mask of the thread that forks it, so this thread holds the mask for the
         # fork: set on the child afterwards, the child could run unconfined first.
         self._confined_to = self._startup_cpus()
-        with self.log_path.open("ab") as log, _thread_affinity(self._confined_to):
+        with self.log_path.open("ab") as log, thread_affinity(self._confined_to):
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             log.write(f"=== {stamp} {LAUNCH_MARK} {' '.join(argv)}\n".encode())
             log.flush()
@@ -456,8 +344,9 @@ class LocalReplica:
                         and (stalled := progress.stalled_for(now)) >= spec.startup_stall_s
                     ):
                         why = (
-                            f"not ready after {now - t0:.0f}s and no progress (CPU or log "
-                            f"output) for {stalled:.0f}s"
+                            f"not ready after {now - t0:.0f}s and no progress (CPU, run-queue "
+                            f"wait or log output) for {stalled:.0f}s; its processes: "
+                            f"{progress.describe()}"
                         )
                     if why is not None:
                         await self._dump_stacks()

@@ -17,7 +17,8 @@ import pytest
 from pool.checkpoint import content_hash, read_manifest
 from pool.engine import VllmEngine
 from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
-from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, _group_stats
+from pool.launcher import LaunchError, LocalReplica, ReplicaSpec
+from pool.procgroup import group_stats
 from pool.types import Manifest, WeightIdentity
 from tests.integration.conftest import TinyModels
 from updater.transports import ReloadTransport, WeightsTarget
@@ -89,7 +90,7 @@ async def test_engine_bootstrap_detects_032_capabilities(
 def _thread_masks(pgid: int) -> dict[str, set[tuple[int, ...]]]:
     """Process name → the CPU masks of its threads, for each process of group ``pgid``."""
     masks: dict[str, set[tuple[int, ...]]] = {}
-    for pid in _group_stats(pgid):
+    for pid in group_stats(pgid):
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
         tasks = Path(f"/proc/{pid}/task").iterdir()
         masks[comm] = masks.get(comm, set()) | {

@@ -9,12 +9,16 @@ Everything else is the real launcher: its argv/env, its process group, its deadl
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from pool.launcher import LaunchError, LocalReplica, ReplicaSpec, group_cpu_seconds, parse_cpus
+from pool.launcher import LaunchError, LocalReplica, ReplicaSpec
+from pool.procgroup import StartupProgress, group_cpu_seconds, parse_cpus
 
 # Writes one line (the start's last progress: the stall counts from it), then hangs.
 HUNG = """
@@ -134,7 +138,8 @@ async def test_a_hung_start_fails_after_the_stall_with_its_stacks_in_the_log(
             continue
         assert 2.0 <= elapsed < spec.startup_max_s + CLEANUP_S
         message = str(e.value)
-        assert "no progress (CPU or log output)" in message and "health phase" in message
+        assert "no progress (CPU, run-queue wait or log output)" in message
+        assert " S cpu " in message and "health phase" in message  # the process shown asleep
         assert "Fatal Python error: Aborted" in tail
         assert "waiting_for_a_lock_that_never_comes" in tail  # where it was stuck
         break
@@ -189,6 +194,37 @@ def test_deadlines_must_be_ordered_and_cpu_is_measured(tmp_path: Path) -> None:
         ReplicaSpec(model=tmp_path, startup_timeout_s=100, startup_max_s=50)
     mine = group_cpu_seconds(os.getpgrp())
     assert mine is not None and mine > 0  # this test process has used some CPU
+
+
+def test_a_group_starved_of_cpu_is_progress_and_a_sleeping_one_is_not(tmp_path: Path) -> None:
+    """Three busy processes of one group confined to one core can use at most the core's time
+    (elapsed seconds), and wait twice that for it: with ``min_cpu_s`` above what the core can
+    give, the CPU alone never marks progress, their wait for the core does. The same group
+    stopped (SIGSTOP: not runnable, like a process blocked on a lock) marks none."""
+    core = {max(os.sched_getaffinity(0))}
+    busy = (  # the leader forks two more: one group of three, all on one core, all busy
+        f"import os\nos.sched_setaffinity(0, {core})\nos.fork() and os.fork()\nwhile True: pass"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", busy], start_new_session=True)
+    try:
+        window = 1.0
+        # past the group's start (its imports), then one window: CPU at most ~window, wait ~2x
+        while (group_cpu_seconds(leader.pid) or 0) < 0.2:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        progress = StartupProgress(leader.pid, tmp_path / "none.log", t0, min_cpu_s=1.5 * window)
+        time.sleep(window)
+        progress.sample(time.monotonic())
+        assert progress.last > t0, "a group waiting for its core is starved, not hung"
+        os.killpg(leader.pid, signal.SIGSTOP)
+        stopped = StartupProgress(leader.pid, tmp_path / "none.log", time.monotonic(), 0.05)
+        time.sleep(2 * window)
+        stopped.sample(time.monotonic())
+        assert stopped.stalled_for(time.monotonic()) >= 2 * window
+        assert " T cpu " in stopped.describe()  # every process shown stopped
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
 
 
 async def test_a_start_is_confined_to_its_bind_cores_until_ready(tmp_path: Path) -> None:
