@@ -1,4 +1,4 @@
-"""End to end with vLLM's own benchmark client, through the router vs direct (issue 12 item 5).
+"""End to end with vLLM's own benchmark client, through the router vs direct.
 
 Two real vLLM CPU replicas of the tiny model (:func:`testkit.harness.start_replicas`: float32,
 eager, worker of replica i bound to core i), labelled and published READY on g0. The client is

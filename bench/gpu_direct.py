@@ -1,4 +1,4 @@
-"""GPU weight path at the link's speed (issue 15) and checksum validation (issue 22), 2x H200.
+"""GPU weight path at the link's speed and checksum validation, 2x H200.
 
 Runs on the GPU host (``tests/gpu/README.md``), never in CI. Trainer on GPU 0 (this process),
 replicas on GPU 1 with RolloutPool's worker extension (``--worker-extension-cls

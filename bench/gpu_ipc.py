@@ -1,4 +1,4 @@
-"""``ipc_direct`` and vLLM's ``ipc`` on one H200: trainer and 2 replicas on the same GPU (issue 30).
+"""``ipc_direct`` and vLLM's ``ipc`` on one H200: trainer and 2 replicas on the same GPU.
 
 Runs on the GPU host (``tests/gpu/README.md``), never in CI. This process is the trainer
 (:class:`bench.gpu_update.Trainer`, the Qwen3-8B shape, seeded weights per generation) and owns

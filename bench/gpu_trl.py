@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` pushing from GPU memory into 2 replicas on its own GPU (issue 30).
+"""TRL's ``GRPOTrainer`` pushing from GPU memory into 2 replicas on its own GPU.
 
 Runs on the GPU host (``tests/gpu/README.md``), never in CI. The setup of
 :mod:`testkit.scenarios.trl_grpo` (embedded pool, the tiny model, the "ids divisible by 4"

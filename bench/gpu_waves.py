@@ -1,4 +1,4 @@
-"""Update waves (one NCCL broadcast for k replicas) and a TP=2 replica, 4x H200 (issue 19).
+"""Update waves (one NCCL broadcast for k replicas) and a TP=2 replica, 4x H200.
 
 Runs on the 4-GPU host (``tests/gpu/README.md``), never in CI; one run of ~5 min. Trainer and
 sender on GPU 0 (this process, ``CUDA_VISIBLE_DEVICES=0``), replicas ``r1``..``r3`` on GPUs 1-3

@@ -11,7 +11,7 @@ once on a 2-core box). Four replicas point at it, 256 rollouts of capacity each.
 
 Each round sends ``--rollouts`` one-request rollouts at once and waits for every answer. A
 request held ``--hold-s`` = 12 s needs its 5 s lease renewed at least twice, for a thousand
-bindings at a time. The audit (issue 11, with redis-py's default non-blocking pool of 100) saw
+bindings at a time. The first measurement (with redis-py's default non-blocking pool of 100) saw
 200 of 400 concurrent requests answered ``503 store_unavailable`` while Redis was healthy and,
 with a 3 s lease, the router's own reaper abort 200 of its live rollouts.
 

@@ -440,7 +440,7 @@ class Admitter:
     async def _satisfiable(self, snap: PoolSnapshot, c: Constraints) -> None:
         """Raise :class:`GenerationUnsatisfiable` only if the *fresh* published generation
         cannot meet ``c``: a generation published after the cached read is no reason for a 409
-        (audit finding, issue 11: a burst got 409 for a generation published a moment ago)."""
+        (a burst must not get 409 for a generation published a moment ago)."""
         try:
             check_satisfiable(snap.latest, c, self.max_staleness)
         except GenerationUnsatisfiable:

@@ -67,9 +67,8 @@ def _unknown(rollout_id: str) -> RouteNotFound:
 
 
 async def _binding(request: web.Request, rollout_id: str) -> Binding:
-    """The rollout's binding, if the caller may use it: its owner or the admin (audit finding,
-    issue 11: sessions were usable by any client that knew the id). Another client is told
-    the rollout does not exist."""
+    """The rollout's binding, if the caller may use it: its owner or the admin. Another client
+    is told the rollout does not exist."""
     try:
         b = await shielded(request.app[STORE].binding(rollout_id))
     except NotFound as e:

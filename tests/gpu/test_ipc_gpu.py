@@ -1,4 +1,4 @@
-"""CUDA IPC of a staging buffer between two processes on one GPU, without vLLM (issue 30).
+"""CUDA IPC of a staging buffer between two processes on one GPU, without vLLM.
 
 The sender (this process) stages tensors (:class:`~updater.transports.ipc.IpcStaging`) and
 exports the slot's handle as JSON (:mod:`pool.ipc_handles`); a spawned child opens it by the

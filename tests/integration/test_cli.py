@@ -2,7 +2,7 @@
 real process: redis-server, one vLLM CPU replica, the updater, the router with an API key, on
 free ports), then ``status`` and ``push`` as processes, piped and on a pseudo-terminal.
 
-Pins what issue 20 asked for: ``up`` ends with a "what now" block whose push command works as
+Pins: ``up`` ends with a "what now" block whose push command works as
 printed; ``push`` shows every phase of the replica with seconds (lines when piped, a refreshing
 table on a terminal, JSON for machines) and exits with a documented code and one error line;
 ``status`` authenticates when the router has API keys and shows the last update.

@@ -204,7 +204,7 @@ async def test_every_drain_ends_and_records_what_it_cut(
     pool: Pool, policy: DrainPolicy, waits_s: float, why: str
 ) -> None:
     """A session nobody closes (a heartbeating client) used to keep a ``wait`` drain open
-    forever (audit, issue 11: ``drain_timeout_s`` was ignored with ``wait``). Every drain ends:
+    forever (``drain_timeout_s`` was ignored with ``wait``). Every drain ends:
     ``wait`` after ``drain_timeout_s``, ``abort`` at once; the binding is marked aborted with the
     reason in its provenance (never silently lost), and the update goes on."""
     p = pool

@@ -1,4 +1,4 @@
-"""The pool at small scale on real processes (issue 13; ``bench/scale.py`` is the big version):
+"""The pool at small scale on real processes (``bench/scale.py`` is the big version):
 real ``redis-server``, two ``python -m router`` processes, ``python -m updater`` driving 16
 stand-in replicas (one ``python -m testkit.standin`` process) with ``max_unavailable`` 4 and
 ``min_serving`` 12, three updates rolled under closed-loop load of single requests and

@@ -2,7 +2,7 @@
 only as a new server process with the latest generation loaded from scratch.
 
 One real vLLM CPU replica runs *outside* the updater (its config has only a ``url``), exactly as a
-Kubernetes pod would. Both tests pin findings of the hardening audit (issue 11, High):
+Kubernetes pod would. Both tests pin what a hardening audit found:
 
 * an updater restarted while a replica sat in UPDATING re-published it READY on the same process
   with no reload: now it stays TAINTED, its reason saying that its orchestrator must restart it,

@@ -171,7 +171,7 @@ def test_content_hash_streams_and_tracks_bytes(tmp_path: Path) -> None:
     ids=["parent", "absolute", "subdir", "dotdot"],
 )
 def test_index_may_name_only_plain_files_inside_the_directory(tmp_path: Path, shard: str) -> None:
-    """Audit finding (issue 11): preflight followed ``../`` and absolute shard names out of the
+    """Preflight followed ``../`` and absolute shard names out of the
     checkpoint directory. The index may only name plain files in it."""
     ckpt = tmp_path / "ckpt"
     (ckpt / "sub").mkdir(parents=True)
@@ -183,7 +183,7 @@ def test_index_may_name_only_plain_files_inside_the_directory(tmp_path: Path, sh
 
 
 def test_symlinks_out_of_the_directory_and_non_files_are_refused(tmp_path: Path) -> None:
-    """Audit finding (issue 11): a symlinked shard pointing outside the checkpoint was read, and
+    """A symlinked shard pointing outside the checkpoint was read, and
     the 422 echoed 8 bytes of its target (as the "header length"). Now it is refused unopened."""
     secret = tmp_path / "secret.txt"
     secret.write_bytes(b"TOPSECRET-password-1234")

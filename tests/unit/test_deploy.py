@@ -598,7 +598,7 @@ def _peers_and_ports(policy: dict[str, Any]) -> list[tuple[set[str], list[tuple[
     for rule in policy["spec"]["ingress"]:
         peers: set[str] = set()
         for peer in rule["from"]:
-            if "namespaceSelector" in peer:  # audit finding (issue 11): never any namespace
+            if "namespaceSelector" in peer:  # Never any namespace
                 assert peer["namespaceSelector"] == {
                     "matchLabels": {"kubernetes.io/metadata.name": "rolloutpool"}
                 }, peer

@@ -196,7 +196,7 @@ def test_tainted_recovers_only_through_fresh_bootstrap() -> None:
 def test_recovery_needs_a_new_process_and_weights_loaded_from_scratch(
     process: ProcessIdentity | None, loaded: bool, why: str
 ) -> None:
-    """Audit finding (issue 11, High): a replica tainted mid-transfer was published READY again
+    """A replica tainted mid-transfer was published READY again
     on the same process with no reload. I6: recovery proves a new process and a fresh load."""
     lc = advance(walk(S.UPDATING), StepFailed("transfer", FailureKind.AMBIGUOUS, "hung"))
     assert lc.process == P0
@@ -240,7 +240,7 @@ def test_drain_target_must_be_newer() -> None:
 def test_a_new_process_needs_the_engine_and_the_provider_to_say_so(
     new: ProcessIdentity, replaces: bool
 ) -> None:
-    """I6 with a replica provider (issue 17): a tainted replica whose provider gave its process an
+    """I6 with a replica provider: a tainted replica whose provider gave its process an
     identity (Ray actor, pod UID, pid + start time) recovers only when the engine *and* the
     provider both report another process."""
     tainted = ProcessIdentity("e0", "a0")

@@ -279,7 +279,7 @@ async def test_unsatisfiable_generation_is_409(
 async def test_a_generation_published_a_moment_ago_is_not_unsatisfiable(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): X-Rollout-Min-Generation equal to a generation published a
+    """X-Rollout-Min-Generation equal to a generation published a
     moment ago got 409 from the cached view; unsatisfiability is judged on fresh state."""
     await publish_ready(store, [("r0", DEAD)])
     async with router_client(settings(replica_view_ttl_s=60), store_settings) as c:

@@ -107,7 +107,7 @@ async def test_no_keys_configured_means_open_data_plane(
         r = await c.get("/v1/models")
         assert r.status == 200
         assert (await r.json())["data"][0]["id"] == "rolloutpool"
-    # audit finding (issue 11): anonymous mode started without a word
+    # Anonymous mode started without a word
     (warning,) = [r for r in caplog.records if "anonymous mode" in r.getMessage()]
     assert warning.levelno == logging.WARNING
 
@@ -179,7 +179,7 @@ async def test_bad_bodies_are_400_and_oversized_413(store_settings: StoreSetting
 
 
 async def test_fields_the_router_acts_on_are_typed(store_settings: StoreSettings) -> None:
-    """Audit finding (issue 11): ``"stream": "true"`` was forwarded, vLLM streamed, and the
+    """Audit finding: ``"stream": "true"`` was forwarded, vLLM streamed, and the
     router buffered the stream as one body (no cap) and then answered 502."""
     async with router_client(settings(), store_settings) as c:
         for field, value in [
@@ -252,7 +252,7 @@ async def test_pool_view(store_settings: StoreSettings, store: RedisStore) -> No
             (x["replica_id"], x["state"], x["generation"], x["label"], x["active"])
             for x in body["replicas"]
         ] == [("r0", "READY", 0, "g0", 0), ("r1", "READY", 0, "g0", 0)]
-        # audit finding (issue 11): replica URLs (dev-mode vLLM, unauthenticated control
+        # Replica URLs (dev-mode vLLM, unauthenticated control
         # routes) were shown to every client; only the admin token sees them now
         assert [x["url"] for x in body["replicas"]] == [None, None]
         r = await c.get("/v1/pool", headers=ADMIN_AUTH)
@@ -263,7 +263,7 @@ async def test_pool_view(store_settings: StoreSettings, store: RedisStore) -> No
 async def test_upstream_failures_do_not_show_replica_urls(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): a 502 carried the replica's URL (aiohttp's error text)."""
+    """A 502 carried the replica's URL (aiohttp's error text)."""
     await publish_ready(store, [("r0", "http://127.0.0.1:1")])
     async with router_client(settings(), store_settings) as c:
         r = await c.post("/v1/completions", json=COMPLETION, headers=AUTH)

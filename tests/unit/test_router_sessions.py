@@ -201,7 +201,7 @@ async def heartbeat_until_refused(c: Any, rid: str, timeout_s: float = 10.0) -> 
 async def test_a_heartbeating_session_ends_at_its_max_age(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): a heartbeating session never ended (and kept a replica
+    """A heartbeating session never ended (and kept a replica
     DRAINING under drain_policy wait). It ends at session_max_age_s, with the reason."""
     await publish_ready(store, [("r0", DEAD)])
     s = settings(session_max_age_s=0.5, reaper_interval_s=0.05)
@@ -259,7 +259,7 @@ async def test_a_heartbeat_that_loses_the_race_with_the_reaper_says_why(
 async def test_sessions_belong_to_the_client_that_opened_them(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): any client that knew a session's id could use, read or close
+    """Any client that knew a session's id could use, read or close
     it. Another client is told it does not exist; the admin token may read it."""
     await publish_ready(store, [("r0", DEAD)])
     s = settings(api_keys=[KEY_A, KEY_B], admin_token=ADMIN)
@@ -290,7 +290,7 @@ async def test_sessions_belong_to_the_client_that_opened_them(
 async def test_a_clients_open_sessions_are_capped(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): no per-client quota. Over client_max_sessions → 429."""
+    """No per-client quota. Over client_max_sessions → 429."""
     await publish_ready(store, [("r0", DEAD)])
     s = settings(api_keys=[KEY_A, KEY_B], admin_token=ADMIN, client_max_sessions=2)
     async with router_client(s, store_settings) as c:

@@ -275,7 +275,7 @@ async def test_upstream_errors_abort_the_binding(
         r = await c.post("/v1/completions", json=req)
         assert r.status == 502
         assert (await r.json())["error"]["code"] == "upstream_unavailable"
-        assert url.split("//")[1] not in await r.text()  # no replica URL (issue 11)
+        assert url.split("//")[1] not in await r.text()  # no replica URL
         b = await settled(store, r.headers["X-Rollout-Id"])
         assert b.state is BindingState.ABORTED and "connection" in b.reason
 
@@ -293,7 +293,7 @@ async def test_upstream_errors_abort_the_binding(
 async def test_buffered_upstream_bodies_are_capped(
     rigged: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): a whole (non-streamed) upstream answer was read without a cap."""
+    """A whole (non-streamed) upstream answer was read without a cap."""
     replica, url = rigged
     await publish_ready(store, [("r0", url)])
     async with router_client(settings(max_upstream_body_bytes=1024), store_settings) as c:
@@ -573,7 +573,7 @@ async def test_output_is_withheld_when_the_binding_ends_under_the_request(
 async def test_spans_after_the_binding_ended_do_not_taint(
     store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): the proxy tainted the replica before settling, so spans of the
+    """The proxy tainted the replica before settling, so spans of the
     next generation on a request whose binding the updater had already aborted (drain deadline,
     then a legitimate weight change) took a healthy replica out of service."""
     async with StandinFleet() as fleet:  # a 0.33 replica: its answers carry spans
@@ -662,7 +662,7 @@ async def ended(store: RedisStore, rid: str) -> Any:
 async def test_a_request_ends_at_its_deadline(
     upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): nothing bounded a whole request or stream (only the replica's
+    """Nothing bounded a whole request or stream (only the replica's
     silence). Past request_deadline_s it is aborted with the reason, upstream closed."""
     replica, url = upstream
     await publish_ready(store, [("r0", url)])
@@ -716,7 +716,7 @@ async def test_a_sessions_request_ends_at_the_sessions_max_age(
 async def test_a_client_that_stops_reading_a_stream_loses_its_binding(
     rigged: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit finding (issue 11): a client that stopped reading an SSE stream held its binding
+    """A client that stopped reading an SSE stream held its binding
     (and the replica's drain) indefinitely. A write blocked for client_write_timeout_s ends it."""
     replica, url = rigged
     taking(replica, 10.0)  # a generation still running when the flood stops
@@ -739,7 +739,7 @@ async def test_a_client_that_stops_reading_a_stream_loses_its_binding(
 async def test_requests_in_flight_per_client_and_per_session_are_capped(
     upstream: tuple[StandinReplica, str], store_settings: StoreSettings, store: RedisStore
 ) -> None:
-    """Audit findings (issue 11): no per-client quota on requests; one session ran 52
+    """No per-client quota on requests; one session ran 52
     concurrent requests on a capacity-1 replica. Over a limit → 429 with Retry-After."""
     replica, url = upstream
     taking(replica, 30.0)

@@ -203,7 +203,7 @@ async def test_reaper_aborts_orphans_once(store: RedisStore) -> None:
 
 
 async def test_a_heartbeated_session_ends_at_its_max_age(store: RedisStore) -> None:
-    """Audit finding (issue 11): a heartbeating session lived forever (and kept a replica
+    """A heartbeating session lived forever (and kept a replica
     DRAINING under drain_policy wait). No touch extends the lease past the max age; at it the
     session expires and the reaper ends it with that reason. The checks before the max age
     must end within it: when they took longer (a stalled test process), a ``LimitReached``
@@ -242,7 +242,7 @@ async def test_a_heartbeated_session_ends_at_its_max_age(store: RedisStore) -> N
 
 async def test_a_session_without_requests_ends_at_its_idle_limit(store: RedisStore) -> None:
     """Heartbeats keep a session's lease but not its activity: without a request for
-    ``idle_s`` it ends (issue 11); a request, or a renewal while one runs, resets the clock.
+    ``idle_s`` it ends; a request, or a renewal while one runs, resets the clock.
     The checks before the limit are redone on a fresh session when they took longer than it
     (a ``LimitReached`` then proves nothing)."""
     token = await store.updater_lease().acquire()
@@ -280,7 +280,7 @@ async def test_a_session_without_requests_ends_at_its_idle_limit(store: RedisSto
 
 
 async def test_a_clients_open_sessions_are_capped_in_redis(store: RedisStore) -> None:
-    """Per-client session quota (issue 11), counted by ADMIT so every router sees the same
+    """Per-client session quota, counted by ADMIT so every router sees the same
     count; ended sessions (closed, reaped, aborted) are pruned when the quota refuses."""
     token = await store.updater_lease().acquire()
     await ready_replica(store, token)
@@ -438,7 +438,7 @@ async def test_acl_user_and_bindings_survive_a_restart(tmp_path) -> None:  # typ
 
 
 async def test_reaper_leaves_a_binding_renewed_after_its_scan(store: RedisStore) -> None:
-    """Audit finding (issue 11): the reaper read expired ids, then released them; a heartbeat
+    """The reaper read expired ids, then released them; a heartbeat
     that renewed the lease in between was overridden and a live rollout aborted. The expiry is
     now re-checked inside the release script."""
     token = await store.updater_lease().acquire()
@@ -457,7 +457,7 @@ async def test_reaper_leaves_a_binding_renewed_after_its_scan(store: RedisStore)
 
 
 async def test_unreachable_redis_errors_never_show_credentials() -> None:
-    """Audit finding (issue 11): the Redis URL with its ?password= was echoed in 503 bodies and
+    """The Redis URL with its ?password= was echoed in 503 bodies and
     /healthz. Errors carry the URL without credentials."""
     url = f"redis://svc:hunter2@127.0.0.1:{free_port()}/0?password=hunter3&socket_timeout=1"
     store = RedisStore.connect(StoreSettings(url=url, socket_timeout_s=0.5))
@@ -474,7 +474,7 @@ async def test_unreachable_redis_errors_never_show_credentials() -> None:
 async def test_a_burst_of_concurrent_calls_is_served_not_refused(
     store_settings: StoreSettings,
 ) -> None:
-    """Audit finding (issue 11): >100 concurrent store calls got 503 store_unavailable while
+    """Audit finding: >100 concurrent store calls got 503 store_unavailable while
     Redis was healthy (redis-py's default non-blocking pool). Calls now wait for a pooled
     connection."""
     store = RedisStore.connect(store_settings.model_copy(update={"max_connections": 8}))
@@ -519,7 +519,7 @@ async def test_an_exhausted_pool_is_busy_not_down(store_settings: StoreSettings)
 
 
 async def test_memory_is_bounded_by_design(store_settings: StoreSettings) -> None:
-    """Audit finding (issue 11): finished bindings were kept 7 days and update records forever,
+    """Finished bindings were kept 7 days and update records forever,
     so Redis filled up. Full records now expire after ``binding_retention_s`` (the per-generation
     counts stay), the journal is capped and only the newest update records are kept."""
     settings = store_settings.model_copy(

@@ -106,7 +106,7 @@ async def test_progress_is_told_each_phase_as_it_begins(store: RedisStore) -> No
 
 
 async def test_no_engine_call_once_the_lease_may_have_lapsed(store: RedisStore) -> None:
-    """Audit finding (issue 11): fencing covered Redis writes but not engine calls. A lease that
+    """Fencing covered Redis writes but not engine calls. A lease that
     may have lapsed while the drain waited (renewals stopped) must stop the runner before it
     pauses the engine: nothing that changes the engine is sent."""
     calls: list[str] = []

@@ -1,5 +1,5 @@
 """What the updater refuses at submit (nothing queued), with a real Redis store; no vLLM is
-contacted by a submit. Pins audit findings of issue 11 (labels, probe ids, placeholders)."""
+contacted by a submit. Pins what an audit found (labels, probe ids, placeholders)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The supervisor routes recovery through the replica provider (issue 17), with a real Redis store
+"""The supervisor routes recovery through the replica provider, with a real Redis store
 and a provider that records its calls (the adapters run for real in tests/integration and in
 tests/unit/test_providers_kubernetes.py). The engine is never reached in these paths."""
 

@@ -109,7 +109,7 @@ async def test_http_errors_answer_alike(store_settings: StoreSettings, service: 
             assert r.status == 400 and (await r.json())["error"]["code"] == code
         r = await c.post(path, data=b"x" * (5 << 20), headers=auth)  # above both limits
         assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
-        # audit finding (issue 11): a deeply nested body was a 500 with a traceback, and
+        # A deeply nested body was a 500 with a traceback, and
         # NaN/Infinity (or a number beyond a double) were accepted and forwarded to vLLM
         for data, what in [
             (b"[" * 100_000 + b"]" * 100_000, "nested more than 64"),
@@ -153,7 +153,7 @@ async def test_pool_view_is_one_shape(
                 r = await c.get("/v1/pool", headers=headers)
                 public.append(await r.json())
     assert views[0] == views[1]
-    # audit finding (issue 11): replica URLs only for the admin token, on both services
+    # Replica URLs only for the admin token, on both services
     assert [x["url"] for x in views[0]["replicas"]] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     for other in public:
         assert [x["url"] for x in other["replicas"]] == [None, None]
