@@ -16,6 +16,9 @@ replica is READY on the latest generation, against the bound the docs state::
 ``RESTART_S``, and the slowest held update, ``WINDOW_S``). Orphaned processes are a question of
 real processes: ``--real`` adds the real-vLLM sample of ``tests/integration/test_updater_faults.py``
 (:func:`testkit.fault_cells.real_sample`), whose updaters launch and lose real replicas.
+``--first-wave 2`` plays the cells on updaters that update both replicas before the publish,
+holding both in the phase (:data:`testkit.fault_cells.WAVE_PHASES`); ``--merge`` adds them as
+rows of their own (``first_wave`` 2).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from testkit.fault_cells import (
     FAULTS,
     GRANT_PHASES,
     PHASES,
+    WAVE_PHASES,
     Matrix,
     real_sample,
     redis_of,
@@ -65,12 +69,13 @@ def with_sample(result: dict[str, Any], sample: dict[str, Any]) -> dict[str, Any
 
 
 def cells(
-    only: list[str], phases: list[str], faults: list[str]
+    only: list[str], phases: list[str], faults: list[str], first_wave: int = 1
 ) -> dict[RedisKind, list[tuple[str, S, str]]]:
-    """The cells to play (``faults`` filters by fault name), by the rig's Redis they need."""
+    """The cells to play (``faults`` filters by fault name), by the rig's Redis they need; with
+    a ``first_wave`` above 1, only in the phases a whole first wave is held in."""
     out: dict[RedisKind, list[tuple[str, S, str]]] = {}
     for p in PHASES:
-        if p.value not in phases:
+        if p.value not in phases or (first_wave > 1 and p not in WAVE_PHASES):
             continue
         pairs = [(c, f) for c in COMPONENTS for f in FAULTS] + list(EXTRA)
         for c, f in pairs:
@@ -82,12 +87,17 @@ def cells(
 
 
 async def play(
-    workdir: Path, redis: RedisKind, todo: list[tuple[str, S, str]]
+    workdir: Path, redis: RedisKind, todo: list[tuple[str, S, str]], first_wave: int = 1
 ) -> tuple[list[dict[str, Any]], int, dict[str, Any]]:
     """Play ``todo`` on one rig; returns the rows, the bindings left active and the verdict."""
     rows: list[dict[str, Any]] = []
     async with Rig(
-        workdir / redis, replicas=2, lease_s=LEASE_S, backend="standin", redis=redis
+        workdir / redis,
+        replicas=2,
+        lease_s=LEASE_S,
+        backend="standin",
+        redis=redis,
+        first_wave=first_wave,
     ) as rig:
         rig.load(clients=4, max_tokens=100)
         matrix = Matrix(rig)
@@ -107,15 +117,20 @@ async def play(
 
 
 async def run(
-    workdir: Path, only: list[str], phases: list[str], faults: list[str], real: bool
+    workdir: Path,
+    only: list[str],
+    phases: list[str],
+    faults: list[str],
+    real: bool,
+    first_wave: int = 1,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     leaked = cross = answers = 0
     stale: list[str] = []
     errors: Counter[str] = Counter()
-    for redis, todo in cells(only, phases, faults).items():
-        r, lk, v = await play(workdir, redis, todo)
+    for redis, todo in cells(only, phases, faults, first_wave).items():
+        r, lk, v = await play(workdir, redis, todo, first_wave)
         rows += r
         leaked += lk
         cross += v["cross_generation"]
@@ -168,6 +183,13 @@ def main() -> None:
         action="store_true",
         help="replace the cells this run plays in the existing results file, keep the others",
     )
+    ap.add_argument(
+        "--first-wave",
+        type=int,
+        default=1,
+        help="the updaters' first_wave (2: both replicas update before the publish, and every "
+        "cell holds both; only the phases a whole first wave can be held in)",
+    )
     ap.add_argument("--name", default="faults")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
@@ -177,7 +199,9 @@ def main() -> None:
             result = with_sample(old, asyncio.run(real_sample(d / "real")))
             result["matrix_command"], result["matrix_date"] = old["command"], old["date"]
         else:
-            result = asyncio.run(run(d, args.components, args.phases, args.faults, args.real))
+            result = asyncio.run(
+                run(d, args.components, args.phases, args.faults, args.real, args.first_wave)
+            )
             if args.merge:
                 result = merged(json.loads((RESULTS / f"{args.name}.json").read_text()), result)
     write(args.name, result)
@@ -186,9 +210,12 @@ def main() -> None:
 def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``old`` with the cells ``new`` played replaced by ``new``'s; counts that are the whole
     run's (cross-generation, stale tokens, leaked bindings, answers) add up both runs."""
-    key = ("component", "phase", "fault")
-    replaced = {tuple(r[k] for k in key) for r in new["rows"]}
-    rows = [r for r in old["rows"] if tuple(r[k] for k in key) not in replaced] + new["rows"]
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:  # rows from before first_wave: 1
+        return (r["component"], r["phase"], r["fault"], r.get("first_wave", 1))
+
+    replaced = {key(r) for r in new["rows"]}
+    rows = [r for r in old["rows"] if key(r) not in replaced] + new["rows"]
     converges = [r["converge_s"] for r in rows if r["converge_s"] is not None]
     out = {**old, "rows": rows}
     out.update(

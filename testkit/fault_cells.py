@@ -46,6 +46,10 @@ latest generation (``converge_s``, from the fault), sends a burst of short compl
 answer checked against its generation's marker: a replica READY on a process nobody validated
 shows up here), then pushes one more update, which must succeed.
 
+On a rig whose updaters have a ``first_wave`` of every replica (``Rig(first_wave=...)``), the
+holds apply to every replica, so the fault lands while the whole first wave is in the phase and
+the generation is not yet published (``WAVE_PHASES``; DRAINING is held by a session on each).
+
 DRAINING is held by a rollout session the cell opens on ``r0`` before the push and closes once
 the fault has fired (a drain waits for every binding). QUIESCED: the same session holds r0 in
 DRAINING until a router registration that has not verified the current failover epoch is in
@@ -101,6 +105,9 @@ def redis_of(component: str) -> RedisKind:
     return "sentinel" if component == "sentinel" else "standalone"
 
 
+#: The phases a first-wave rig holds every replica in before the publish.
+WAVE_PHASES = (S.DRAINING, S.UPDATING, S.INVALIDATING, S.VALIDATING, S.RESUMING)
+
 #: The phases the *_under_grant cells are played in: the stream they hold keeps any drain
 #: from ending while it runs, so the phases after DRAINING are not reached under it.
 GRANT_PHASES = (S.READY, S.DRAINING)
@@ -122,6 +129,7 @@ class CellResult:
     component: str
     phase: str
     fault: str
+    first_wave: int = 1
     phase_hit: bool = False
     converge_s: float | None = None
     next_update: str = ""
@@ -177,7 +185,7 @@ class Matrix:
             await self.rig.fleet("time", "all", {"transfer_s": 0.0})
 
     async def play(self, component: str, phase: S, fault: str) -> CellResult:
-        res = CellResult(component, phase.value, fault)
+        res = CellResult(component, phase.value, fault, self.rig.first_wave)
         cross0 = len(self.rig.history.cross_generation)
         try:
             await self._play(res, component, phase, fault)
@@ -192,15 +200,21 @@ class Matrix:
         rig, up = self.rig, self.updater
         assert up is not None
         pushed: asyncio.Task[dict[str, Any]] | None = None
+        wave = rig.first_wave > 1
+        if wave and phase not in WAVE_PHASES:
+            raise ValueError(f"a first-wave rig holds {[p.value for p in WAVE_PHASES]} only")
         held = await HeldStream.open(rig, "r0") if fault.endswith("_under_grant") else None
         by_session = phase in (S.DRAINING, S.QUIESCED) and held is None
         session = await rig.hold_session("r0") if by_session else None
+        # a first wave's other members are held too (r1 ... with r0, before any publish)
+        others = [await rig.hold_session(f"r{i}") for i in range(1, rig.first_wave) if by_session]
+        target: int | str = "all" if wave else 0
         if phase in HOLDS:
-            await rig.fleet("faults", 0, {"hang_paths": sorted(HOLDS[phase])})
+            await rig.fleet("faults", target, {"hang_paths": sorted(HOLDS[phase])})
         if phase in HOLDS_AFTER:
-            await rig.fleet("faults", 0, {"hang_after": HOLDS_AFTER[phase]})
+            await rig.fleet("faults", target, {"hang_after": HOLDS_AFTER[phase]})
         if phase in (S.UPDATING, S.RECOVERING):
-            await rig.fleet("time", 0, {"transfer_s": SLOW_TRANSFER_S})
+            await rig.fleet("time", target, {"transfer_s": SLOW_TRANSFER_S})
         if phase is S.RECOVERING:
             await rig.store.taint("r0", "fault matrix: recover me", source="test")
         elif phase is not S.READY:
@@ -232,6 +246,8 @@ class Matrix:
         await self._clear_holds()
         if session is not None:
             await rig.close_session(session)
+        for other in others:
+            await rig.close_session(other)
         if phase is S.QUIESCED:
             await rig.release_epoch_gate()
         if held is not None:

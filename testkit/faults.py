@@ -117,9 +117,13 @@ class Rig:
         backend: Literal["vllm", "standin"] = "vllm",
         request_tps: float = 100.0,
         redis: RedisKind = "standalone",
+        first_wave: int = 1,
     ) -> None:
         self.workdir = workdir.resolve()
         self.replicas = replicas
+        #: the updaters' ``first_wave`` (and ``max_unavailable``, with ``min_serving`` 0, when
+        #: above 1: that many replicas update together before the generation is published)
+        self.first_wave = first_wave
         self.backend = backend
         self.request_tps = request_tps
         self._fleet: subprocess.Popen[bytes] | None = None
@@ -264,6 +268,8 @@ class Rig:
                 }
                 for i in range(self.replicas)
             ]
+        n = self.first_wave
+        wave = {"first_wave": n, "max_unavailable": n, "min_serving": 0} if n > 1 else {}
         port = free_port()
         cfg = {
             "updater": {
@@ -273,6 +279,7 @@ class Rig:
                 "provider": "local" if self.backend == "vllm" else "external",
                 "health_interval_s": 0.5,
                 "health_failures": 3,
+                **wave,
             },
             "redis": {
                 **self.redis.updater_config(),
