@@ -71,7 +71,7 @@ def connect(s: StoreSettings) -> Clients:
         cluster = RedisCluster.from_url(s.url, max_connections=s.max_connections, **kw)
         return Clients(cluster)
     if s.mode == "sentinel":
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(
             s.sentinel_addresses(),
             sentinel_kwargs={
                 "username": s.sentinel_username,

@@ -18,7 +18,9 @@ Also measured, in the same run:
   outside them;
 * ``faults.stuck_transfer``: the proxy holds r1's ``/collective_rpc`` forever; the updater's
   watchdog must taint r1 within the transfer deadline, r0 keeps serving, r1 is restarted and
-  rejoins at the latest generation;
+  rejoins at the latest generation (``tainted_after_s``, UPDATING to TAINTED in Redis time, is
+  late by at most ``stalled_s``, how long this process's loop could not run meanwhile, plus the
+  Redis round trips);
 * ``faults.router_kill``: a second router process is SIGKILLed with rollouts in flight; their
   bindings must be aborted by the surviving router's reaper (``orphans_left`` must be 0);
 * ``unsafe_keep_mode``: the negative control — 32 concurrent rollouts straight to a replica,
@@ -49,6 +51,7 @@ from pool.types import ReplicaState
 from rolloutpool.local.models import ensure_model, marker_token
 from testkit.fault_proxy import FaultProxy
 from testkit.harness import local_launcher
+from testkit.loop_stalls import LoopStalls
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from updater.api import ProbeSpec, UpdateRequest
@@ -282,7 +285,8 @@ async def stuck_transfer(
     proxy.hang_paths.add("/collective_rpc")
     t0 = time.monotonic()
     try:
-        rec = await push(up, g)
+        async with LoopStalls() as stalls:  # the updater runs on this loop
+            rec = await push(up, g)
     finally:
         proxy.hang_paths.clear()  # the restarted server must be reachable again for recovery
         up.runner.deadlines = normal
@@ -315,6 +319,7 @@ async def stuck_transfer(
     return {
         "deadline_s": p.transfer_deadline_s,
         "tainted_after_s": tainted_after,
+        "stalled_s": round(stalls.stalled_s, 2),
         "recovered": recovered,
         "recovered_after_s": round(time.monotonic() - t0, 1),
         "held_calls": proxy.held,
