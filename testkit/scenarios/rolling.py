@@ -18,9 +18,9 @@ Also measured, in the same run:
   outside them;
 * ``faults.stuck_transfer``: the proxy holds r1's ``/collective_rpc`` forever; the updater's
   watchdog must taint r1 within the transfer deadline, r0 keeps serving, r1 is restarted and
-  rejoins at the latest generation (``tainted_after_s``, UPDATING to TAINTED in Redis time, is
-  late by at most ``stalled_s``, how long this process's loop could not run meanwhile, plus the
-  Redis round trips);
+  rejoins at the latest generation (``tainted_after_s``: UPDATING to TAINTED in Redis time;
+  ``transfer_phase_s``: the updater's transfer phase, which may end late by at most
+  ``stalled_s``, how long this process's loop could not run meanwhile);
 * ``faults.router_kill``: a second router process is SIGKILLed with rollouts in flight; their
   bindings must be aborted by the surviving router's reaper (``orphans_left`` must be 0);
 * ``unsafe_keep_mode``: the negative control — 32 concurrent rollouts straight to a replica,
@@ -319,6 +319,7 @@ async def stuck_transfer(
     return {
         "deadline_s": p.transfer_deadline_s,
         "tainted_after_s": tainted_after,
+        "transfer_phase_s": rec["replicas"].get("r1", {}).get("phases", {}).get("transfer"),
         "stalled_s": round(stalls.stalled_s, 2),
         "recovered": recovered,
         "recovered_after_s": round(time.monotonic() - t0, 1),

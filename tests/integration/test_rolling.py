@@ -27,12 +27,10 @@ async def test_rolling_updates_never_cross_generations(tmp_path: Path) -> None:
     stuck = r["faults"]["stuck_transfer"]
     assert stuck["r1_outcome"] == "tainted" and stuck["recovered"], stuck
     assert stuck["tainted_after_s"] is not None
-    # the deadline, not another failure, tainted it; late only by the stalls measured meanwhile
-    # (the updater runs in this process) plus 1 s for three Redis round trips
-    assert (
-        stuck["deadline_s"]
-        <= stuck["tainted_after_s"]
-        <= stuck["deadline_s"] + 1.0 + stuck["stalled_s"]
-    )
+    assert stuck["tainted_after_s"] >= stuck["deadline_s"]  # the deadline tainted it
+    # the transfer phase ends at its deadline, late only by the stalls measured meanwhile (the
+    # updater runs in the scenario's loop) plus 0.25 s for the few statements around the wait
+    waited = stuck["transfer_phase_s"]
+    assert stuck["deadline_s"] <= waited <= stuck["deadline_s"] + 0.25 + stuck["stalled_s"], stuck
     assert r["faults"]["router_kill"]["orphans_left"] == 0
     assert r["unsafe_keep_mode"]["cross_generation"] > 0, "the check must be able to fail"
