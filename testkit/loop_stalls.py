@@ -5,7 +5,9 @@ that follows it) must allow for the time the process was not scheduled or its lo
 on a loaded 2-core machine running CPU vLLM replicas that is seconds, and a guessed margin fails
 there. :class:`LoopStalls` measures it: a ticker task sleeps ``tick_s`` at a time and adds up how
 much later than asked each sleep ended. Every timer of the loop is late by the same stall, so the
-sum bounds how much later than its own schedule any step of the loop ran in the window.
+sum bounds how much later than its own schedule any step of the loop ran in the window. Each
+tick also adds the timer's ordinary jitter (about a millisecond), so a longer tick gives a tighter
+bound; a stall counts in full whatever the tick.
 
 Only the loop that enters it is measured (not Redis, not other processes).
 """
@@ -22,7 +24,7 @@ class LoopStalls:
     Not reentrant; one ticker task per window, cancelled on exit (any exception passes through).
     """
 
-    def __init__(self, tick_s: float = 0.02) -> None:
+    def __init__(self, tick_s: float = 0.1) -> None:
         self.tick_s = tick_s
         self.stalled_s = 0.0
         self._task: asyncio.Task[None] | None = None
