@@ -10,6 +10,8 @@ nothing imports ``tests``. The tiny models tests build are the product's
   re-exported.
 * :mod:`testkit.harness` — act as the updater (label, register, publish), serve the router.
 * :mod:`testkit.fault_proxy` — an HTTP proxy that can stall a replica's control calls.
+* :mod:`testkit.loop_stalls` — how long the event loop could not run: the measured margin of a
+  timing assertion.
 * :mod:`testkit.standin` — a stand-in vLLM 0.32 server: hundreds of cheap fake replicas in one
   process (time model, fault switches, admin endpoint, CLI), conformance-tested against real
   vLLM (``tests/integration/test_standin_conformance.py``).
