@@ -21,7 +21,8 @@ from types import TracebackType
 class LoopStalls:
     """``async with LoopStalls() as s: ...``; then ``s.stalled_s`` is the loop's total lateness.
 
-    Not reentrant; one ticker task per window, cancelled on exit (any exception passes through).
+    Not reentrant; one ticker task per window, cancelled and awaited on exit (any exception of the
+    window, and a cancellation of the caller, pass through).
     """
 
     def __init__(self, tick_s: float = 0.1) -> None:
@@ -42,10 +43,7 @@ class LoopStalls:
     ) -> None:
         assert self._task is not None
         self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        await asyncio.wait({self._task})  # a cancellation of the caller still propagates
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
