@@ -19,8 +19,9 @@ Also measured, in the same run:
 * ``faults.stuck_transfer``: the proxy holds r1's ``/collective_rpc`` forever; the updater's
   watchdog must taint r1 within the transfer deadline, r0 keeps serving, r1 is restarted and
   rejoins at the latest generation (``tainted_after_s``: UPDATING to TAINTED in Redis time;
-  ``transfer_phase_s``: the updater's transfer phase, which may end late by at most
-  ``stalled_s``, how long this process's loop could not run meanwhile);
+  ``transfer_phase_s``: the updater's transfer phase, which ends at the deadline, late by the
+  few statements around the wait plus at most ``stalled_s``, how long this process's loop could
+  not run meanwhile);
 * ``faults.router_kill``: a second router process is SIGKILLed with rollouts in flight; their
   bindings must be aborted by the surviving router's reaper (``orphans_left`` must be 0);
 * ``unsafe_keep_mode``: the negative control — 32 concurrent rollouts straight to a replica,
