@@ -482,7 +482,10 @@ class Updater:
         """The rolling loop of :meth:`_roll`: batches by the plan until every replica is on
         ``target`` (or none is left). Before the generation is published, only the first wave
         (``first_wave`` replicas) updates; once one of it failed, the update fails here
-        (``rec.state`` FAILED) when the rest of it is back and none published. Cancelled (the
+        (``rec.state`` FAILED) when the rest of it is back and none published. Each replica is
+        tried once, except that after the publish a replica whose cycle failed is tried once
+        more if it is READY on an older generation again (its recovery read the latest
+        generation before another member of the wave published the new one). Cancelled (the
         updater stops), it cancels and awaits the cycles it started: a cycle cut off in a step
         leaves its replica to the next updater, which trusts nothing it finds mid-update."""
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
@@ -502,6 +505,8 @@ class Updater:
     ) -> None:
         s = self.settings
         attempted: set[str] = set()
+        failed: set[str] = set()  # cycles that ended other than READY; tried again at most once
+        retried: set[str] = set()
         refusal: str | None = None  # the first replica that failed before the publish, and why
         while True:
             records = await self.runner.retrying(self.store.replicas)
@@ -532,7 +537,7 @@ class Updater:
                     max_unavailable=room,
                     min_serving=s.min_serving,
                     max_staleness=s.max_staleness,
-                    exclude=attempted,
+                    exclude=attempted - (failed - retried) if published else attempted,
                 )
                 if room > 0
                 else []
@@ -540,6 +545,8 @@ class Updater:
             if len(batch) > 1:  # one wave: a transport may send it one copy for all
                 self.runner.expect_wave([self.replicas[rid].handle for rid in batch])
             for rid in batch:
+                if rid in attempted:
+                    retried.add(rid)
                 attempted.add(rid)
                 running[rid] = asyncio.create_task(self._cycle(self.replicas[rid], target, rec))
             if not running:
@@ -557,8 +564,10 @@ class Updater:
                 report = task.result()
                 rec.replicas[rid] = report
                 saver.changed()
-                if report.outcome is not ReplicaOutcome.READY and refusal is None:
-                    refusal = f"{rid}: {report.outcome}: {report.reason}"
+                if report.outcome is not ReplicaOutcome.READY:
+                    failed.add(rid)
+                    if refusal is None:
+                        refusal = f"{rid}: {report.outcome}: {report.reason}"
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

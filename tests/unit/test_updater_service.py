@@ -136,11 +136,20 @@ class Rolled(NamedTuple):
     stored: UpdateRecord  # the record in the store once the update ended
 
 
-async def roll(store: RedisStore, n: int, failing: Collection[str] = (), **plan: int) -> Rolled:
+async def roll(
+    store: RedisStore,
+    n: int,
+    failing: Collection[str] = (),
+    recovers: Collection[str] = (),
+    **plan: int,
+) -> Rolled:
     """One update of ``n`` replicas on generation 0 to generation 1 with the rolling settings
     ``plan``. The cycles are stood in for by their store transitions (the rolling plan reads
     only the store): each cycle of a replica in ``failing`` ends TAINTED in VALIDATING, the
-    others READY on g1 (the first publishes it)."""
+    others READY on g1 (the first publishes it). A replica in ``recovers`` fails its first
+    cycle the same way and is then recovered READY on g0, as a recovery that read the latest
+    generation before the publish would leave it; no cycle publishes g1 before that, and its
+    later cycles succeed."""
     model = ensure_model("random", seed=1)
     ids = [f"r{i}" for i in range(n)]
     settings = UpdaterSettings(
@@ -159,8 +168,12 @@ async def roll(store: RedisStore, n: int, failing: Collection[str] = (), **plan:
     started: list[str] = []
     before_publish: list[str] = []
     running: set[str] = set()
+    recovered = asyncio.Event()
+    if not recovers:
+        recovered.set()
 
     async def cycle(m: Any, target: UpdateTarget, rec: UpdateRecord) -> ReplicaReport:
+        first = m.id not in started
         started.append(m.id)
         running.add(m.id)
         together.append(set(running))
@@ -172,11 +185,16 @@ async def roll(store: RedisStore, n: int, failing: Collection[str] = (), **plan:
         for a, b in itertools.pairwise(path):
             await store.transition(m.id, token, a, b, target=g1 if b is S.DRAINING else None)
         running.discard(m.id)
-        if m.id in failing:
+        if m.id in failing or (m.id in recovers and first):
             await store.transition(m.id, token, S.VALIDATING, S.TAINTED, reason="probe")
+            if m.id in recovers:
+                await store.transition(m.id, token, S.TAINTED, S.RECOVERING)
+                await store.transition(m.id, token, S.RECOVERING, S.READY, generation=g0)
+                recovered.set()
             return ReplicaReport(
                 replica=m.id, generation=1, outcome=ReplicaOutcome.TAINTED, reason="probe"
             )
+        await recovered.wait()
         await store.transition(m.id, token, S.VALIDATING, S.RESUMING)
         await store.transition(
             m.id, token, S.RESUMING, S.READY, generation=g1, identity_digest="i1", publish=True
@@ -254,6 +272,21 @@ async def test_a_first_wave_that_all_fails_fails_the_update_and_publishes_nothin
     assert all("r2" not in t for t in together)
     latest = await store.latest()
     assert latest is not None and latest[0].number == 0
+
+
+async def test_a_wave_member_recovered_on_the_old_generation_is_tried_again_after_the_publish(
+    store: RedisStore,
+) -> None:
+    """Found by the fault matrix (first wave of 2, r0's process killed in UPDATING): r0 was
+    recovered on g0 before r1 published g1, and the roll had already tried it, so it ended with
+    "no replica left to update" and r0 stayed READY on g0, out of a strict pool's admissions
+    until the next push. Now it is tried once more after the publish."""
+    rec, _, _, started, _, _ = await roll(
+        store, 2, recovers={"r0"}, max_unavailable=2, first_wave=2
+    )
+    assert rec.state is UpdateState.SUCCEEDED, rec.error
+    assert started.count("r0") == 2 and started.count("r1") == 1
+    assert {(r.state, r.generation) for r in await store.replicas()} == {(S.READY, 1)}
 
 
 async def test_a_failed_update_is_failed_in_the_store_too(store: RedisStore) -> None:
