@@ -20,7 +20,8 @@ feed keeps current (:mod:`pool.store.feed`), snapshotted for ``replica_view_ttl_
    instead of all reading the same counts and picking the same one.
 
 If no candidate admits, :meth:`Admitter.admit` (and :meth:`~Admitter.admit_granted`: one loop,
-:meth:`Admitter._retrying`) refreshes the view and retries with backoff until
+:meth:`Admitter._retrying`) retries at the pool view's next change (a replica READY, a
+publish: the change feed wakes every waiting admission) or after a back-off, until
 ``admission_wait_s`` is spent, then raises :class:`~router.errors.NoReplicaAvailable` (503 with
 ``Retry-After``). Constraints (:mod:`router.constraints`) that cannot be met by the published
 generation raise :class:`~router.constraints.GenerationUnsatisfiable` (409) at once, judged on a
@@ -161,6 +162,7 @@ class ReplicaView:
         self._pending: Counter[str] = Counter()
         self._sessions: list[tuple[int, str]] = []  # (epoch when admitted, replica id)
         self._epoch = 0
+        self._change: asyncio.Future[None] | None = None  # resolved by the next invalidate
 
     async def get(self, *, fresh: bool = False) -> PoolSnapshot:
         snap = self._snap
@@ -194,7 +196,29 @@ class ReplicaView:
         return PoolSnapshot(tuple(replicas), latest_gen, time.monotonic(), own, epoch)
 
     def invalidate(self) -> None:
+        """Drop the cached snapshot and wake every :meth:`wait_change` caller (the router's
+        change feed calls this after every change it applied)."""
         self._snap = None
+        change, self._change = self._change, None
+        if change is not None and not change.done():
+            change.set_result(None)
+
+    @property
+    def waited_on(self) -> bool:
+        """Whether a :meth:`wait_change` began since the last :meth:`invalidate`."""
+        return self._change is not None
+
+    async def wait_change(self, timeout_s: float) -> bool:
+        """Wait for the next :meth:`invalidate`, at most ``timeout_s``; True if it came. Any
+        number of callers may wait at once; a caller cancelled or timed out leaves the others
+        waiting."""
+        if self._change is None:
+            self._change = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._change), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def load(self, snap: PoolSnapshot, r: ReplicaRecord) -> int:
         """Active bindings on ``r``: others' as of the snapshot plus this router's own counts."""
@@ -283,8 +307,11 @@ class Admitter:
         wait_s: float,
         retry_after_s: int,
         grants: GrantBook | None = None,
+        backoff_s: tuple[float, float] = (0.01, 0.25),
     ) -> None:
         self.grants = grants
+        #: (first, longest) wait between rounds of a waiting admission with no change seen
+        self.backoff_s = backoff_s
         self.store = store
         self.view = view
         self.bindings = bindings
@@ -391,12 +418,15 @@ class Admitter:
         """The admission loop of :meth:`admit` and :meth:`admit_granted`: each round reads the
         pool view (the cached one first, fresh ones after), checks the constraints can be met,
         and hands the candidates in admission order to ``attempt``, which returns the admission
-        or None, noting each replica's refusal in the dict it is given (for the 503). Rounds are
-        retried with a doubling back-off (10 ms to 250 ms) until ``wait_s`` has passed since the
-        call. A refusal raised from here is counted by its kind (:data:`REFUSALS`)."""
+        or None, noting each replica's refusal in the dict it is given (for the 503). A round
+        that admitted nothing is tried again at the view's next change (:meth:`ReplicaView.
+        wait_change`: a replica READY, a generation published) or after a doubling back-off
+        (``backoff_s``: 10 ms to 250 ms by default), whichever comes first, until ``wait_s`` has
+        passed since the call; a round after a back-off reads the pool afresh. A refusal raised
+        from here is counted by its kind (:data:`REFUSALS`)."""
         t0 = time.monotonic()
         deadline = t0 + self.wait_s
-        backoff = 0.01
+        backoff, max_backoff = self.backoff_s
         refusals: dict[str, str] = {}
         fresh = False
         try:
@@ -412,9 +442,9 @@ class Admitter:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._unavailable(snap, constraints, refusals)
-                await asyncio.sleep(min(backoff, remaining))
-                backoff = min(backoff * 2, 0.25)
-                fresh = True
+                changed = await self.view.wait_change(min(backoff, remaining))
+                backoff = min(backoff * 2, max_backoff)
+                fresh = not changed  # a change comes from the feed, which has applied it
         except (GenerationUnsatisfiable, NoReplicaAvailable, StoreUnavailable, QuotaExceeded) as e:
             label = next(label for kind, label in REFUSALS if isinstance(e, kind))
             self.metrics.refusals.labels(label).inc()
