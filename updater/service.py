@@ -485,7 +485,9 @@ class Updater:
         (``rec.state`` FAILED) when the rest of it is back and none published. Each replica is
         tried once, except that after the publish a replica whose cycle failed is tried once
         more if it is READY on an older generation again (its recovery read the latest
-        generation before another member of the wave published the new one). Cancelled (the
+        generation before another member of the wave published the new one); the roll waits
+        for such a replica while it is RECOVERING (only a first wave of several can leave one:
+        with one member, nothing is published once it failed). Cancelled (the
         updater stops), it cancels and awaits the cycles it started: a cycle cut off in a step
         leaves its replica to the next updater, which trusts nothing it finds mid-update."""
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
@@ -519,7 +521,12 @@ class Updater:
                 rec.state, rec.finished_ms = UpdateState.FAILED, now_ms()
                 self._count("failed")
                 return
-            if not running and plan.done(records, target.generation.number):
+            # a member that failed before the publish may be recovering onto the old generation
+            waiting = published and any(
+                r.replica_id in failed - retried and r.state is ReplicaState.RECOVERING
+                for r in records
+            )
+            if not running and not waiting and plan.done(records, target.generation.number):
                 rec.rolled_ms = now_ms()
                 rec.staleness_window_s = (rec.rolled_ms - rec.created_ms) / 1000
                 break
@@ -549,10 +556,11 @@ class Updater:
                     retried.add(rid)
                 attempted.add(rid)
                 running[rid] = asyncio.create_task(self._cycle(self.replicas[rid], target, rec))
-            if not running:
-                if not batch:
+            if not running:  # so no batch either
+                if not waiting:
                     rec.error = "no replica left to update (tainted or refused)"
                     break
+                await asyncio.sleep(0.25)
                 continue
             done, _ = await asyncio.wait(
                 running.values(), timeout=0.25, return_when=asyncio.FIRST_COMPLETED

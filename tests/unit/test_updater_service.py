@@ -141,6 +141,7 @@ async def roll(
     n: int,
     failing: Collection[str] = (),
     recovers: Collection[str] = (),
+    late: bool = False,
     **plan: int,
 ) -> Rolled:
     """One update of ``n`` replicas on generation 0 to generation 1 with the rolling settings
@@ -149,7 +150,8 @@ async def roll(
     others READY on g1 (the first publishes it). A replica in ``recovers`` fails its first
     cycle the same way and is then recovered READY on g0, as a recovery that read the latest
     generation before the publish would leave it; no cycle publishes g1 before that, and its
-    later cycles succeed."""
+    later cycles succeed. With ``late``, that recovery instead stays RECOVERING until g1 is
+    published, then ends READY on g0 (it read the latest generation just before the publish)."""
     model = ensure_model("random", seed=1)
     ids = [f"r{i}" for i in range(n)]
     settings = UpdaterSettings(
@@ -169,8 +171,14 @@ async def roll(
     before_publish: list[str] = []
     running: set[str] = set()
     recovered = asyncio.Event()
-    if not recovers:
+    if not recovers or late:
         recovered.set()
+    recoveries: list[asyncio.Task[None]] = []
+
+    async def recover_after_the_publish(replica_id: str) -> None:
+        while (latest := await store.latest()) is None or latest[0].number < 1:
+            await asyncio.sleep(0.01)
+        await store.transition(replica_id, token, S.RECOVERING, S.READY, generation=g0)
 
     async def cycle(m: Any, target: UpdateTarget, rec: UpdateRecord) -> ReplicaReport:
         first = m.id not in started
@@ -189,8 +197,11 @@ async def roll(
             await store.transition(m.id, token, S.VALIDATING, S.TAINTED, reason="probe")
             if m.id in recovers:
                 await store.transition(m.id, token, S.TAINTED, S.RECOVERING)
-                await store.transition(m.id, token, S.RECOVERING, S.READY, generation=g0)
-                recovered.set()
+                if late:
+                    recoveries.append(asyncio.create_task(recover_after_the_publish(m.id)))
+                else:
+                    await store.transition(m.id, token, S.RECOVERING, S.READY, generation=g0)
+                    recovered.set()
             return ReplicaReport(
                 replica=m.id, generation=1, outcome=ReplicaOutcome.TAINTED, reason="probe"
             )
@@ -214,6 +225,7 @@ async def roll(
     )
     await up.records.save(rec)
     await up._roll(rec, UpdateTarget(g1, ident, model, Probe((1,), (2,))))
+    await asyncio.gather(*recoveries)
     await up.lease.release()
     stored = await store.update(rec.id)
     return Rolled(rec, recorder.waves, together, started, before_publish, stored)
@@ -286,6 +298,21 @@ async def test_a_wave_member_recovered_on_the_old_generation_is_tried_again_afte
     )
     assert rec.state is UpdateState.SUCCEEDED, rec.error
     assert started.count("r0") == 2 and started.count("r1") == 1
+    assert {(r.state, r.generation) for r in await store.replicas()} == {(S.READY, 1)}
+
+
+async def test_the_roll_waits_for_a_wave_member_recovering_across_the_publish(
+    store: RedisStore,
+) -> None:
+    """Found by the fault matrix (first wave of 2, r0's server restarted in VALIDATING): r0's
+    recovery read the latest generation (g0) just before r1 published g1 and ended READY on g0
+    after it; the roll, which counts a RECOVERING replica as done, had already ended. Now it
+    waits for that recovery and then tries r0 again."""
+    rec, _, _, started, _, _ = await roll(
+        store, 2, recovers={"r0"}, late=True, max_unavailable=2, first_wave=2
+    )
+    assert rec.state is UpdateState.SUCCEEDED, rec.error
+    assert started.count("r0") == 2
     assert {(r.state, r.generation) for r in await store.replicas()} == {(S.READY, 1)}
 
 
