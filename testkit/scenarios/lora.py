@@ -22,6 +22,8 @@ Measured:
   (the journal's timestamps: :func:`admitting_at`); ``observed_push_to_all_admitting_s``: the
   same until a poller in this process (every 10 ms) saw it, which adds this process's delay
   (it also runs the updater and the load generator);
+* ``update_phases``: per push, each replica's seconds per phase (``wait`` for its lock,
+  ``load``, ``validate``, ``admit``); ``submit_s_each``: per push, the submit call itself;
 * ``throughput_through_updates_over_steady``: completed rollouts/s in the update phase over
   the steady phase (the phases are equally long);
 * ``prefix_control``: on one replica, a 300-token prompt sent with one ``cache_salt`` through
@@ -464,7 +466,10 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             "observed_push_to_all_admitting_s": max(observed, default=None),
             "observed_push_to_all_admitting_s_each": observed,
             "warmup_push_to_all_admitting_s": [u["all_admitting_s"] for u in warmup],
-            "update_phases": [u["replicas"] for u in updates[:2]],
+            "update_phases": [
+                {rid: r["phases"] for rid, r in u["replicas"].items()} for u in updates
+            ],
+            "submit_s_each": [u["submit_s"] for u in updates],
             **result,
             "client_errors": run.errors,
             "wall_s": round(time.monotonic() - t_start, 1),
