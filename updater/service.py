@@ -8,7 +8,7 @@ What runs, once :meth:`Updater.start` returns:
 * the **update worker** takes pushed updates in order (a newer queued update supersedes older
   queued ones when ``coalesce`` is on), declares the generation, and rolls it out with
   :func:`updater.plan.next_batch` and the :class:`~updater.cycle.CycleRunner`. The first replica
-  to become READY publishes the generation. If the first replica of an update fails (refused
+  to become READY publishes the generation. If the first wave of an update fails (refused
   checkpoint, failed validation), the update stops there: nothing was published;
 * the **supervisor** (:mod:`updater.supervisor`) checks the replicas' health and recovers
   tainted ones (I6).
@@ -483,13 +483,11 @@ class Updater:
         ``target`` (or none is left). Before the generation is published, only the first wave
         (``first_wave`` replicas) updates; once one of it failed, the update fails here
         (``rec.state`` FAILED) when the rest of it is back and none published. Each replica is
-        tried once, except that after the publish a replica whose cycle failed is tried once
-        more if it is READY on an older generation again (its recovery read the latest
-        generation before another member of the wave published the new one); the roll waits
-        for such a replica while it is RECOVERING (only a first wave of several can leave one:
-        with one member, nothing is published once it failed). Cancelled (the
-        updater stops), it cancels and awaits the cycles it started: a cycle cut off in a step
-        leaves its replica to the next updater, which trusts nothing it finds mid-update."""
+        tried once; a member that failed before another one published (a first wave of several)
+        is waited for while it is RECOVERING and tried again if that left it on an older
+        generation (its recovery read the latest before the publish). Cancelled (the updater
+        stops), it cancels and awaits the cycles it started: a cycle cut off in a step leaves
+        its replica to the next updater, which trusts nothing it finds mid-update."""
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
         try:
             await self._roll_batches(rec, target, saver, running)
@@ -507,7 +505,7 @@ class Updater:
     ) -> None:
         s = self.settings
         attempted: set[str] = set()
-        failed: set[str] = set()  # cycles that ended other than READY; tried again at most once
+        early: set[str] = set()  # failed before the publish was seen: may be tried again once
         retried: set[str] = set()
         refusal: str | None = None  # the first replica that failed before the publish, and why
         while True:
@@ -521,34 +519,25 @@ class Updater:
                 rec.state, rec.finished_ms = UpdateState.FAILED, now_ms()
                 self._count("failed")
                 return
-            # a member that failed before the publish may be recovering onto the old generation
-            waiting = published and any(
-                r.replica_id in failed - retried and r.state is ReplicaState.RECOVERING
-                for r in records
-            )
+            again = early - retried if published else set()
+            waiting = any(r.replica_id in again and r.state is S.RECOVERING for r in records)
             if not running and not waiting and plan.done(records, target.generation.number):
                 rec.rolled_ms = now_ms()
                 rec.staleness_window_s = (rec.rolled_ms - rec.created_ms) / 1000
                 break
             # before the publish, the first wave only: it must prove the generation; once one
             # of it failed, no other replica tries the generation until another one proves it
-            if published:
-                room = s.max_unavailable - len(running)
-            else:
-                room = (s.first_wave if refusal is None else 0) - len(running)
-            batch = (
-                plan.next_batch(
-                    records,
-                    target.generation.number,
-                    None if latest is None else latest[0].number,
-                    max_unavailable=room,
-                    min_serving=s.min_serving,
-                    max_staleness=s.max_staleness,
-                    exclude=attempted - (failed - retried) if published else attempted,
-                )
-                if room > 0
-                else []
-            )
+            wave = s.max_unavailable if published else s.first_wave if refusal is None else 0
+            room = wave - len(running)
+            batch = [] if room <= 0 else plan.next_batch(
+                records,
+                target.generation.number,
+                None if latest is None else latest[0].number,
+                max_unavailable=room,
+                min_serving=s.min_serving,
+                max_staleness=s.max_staleness,
+                exclude=attempted - again,
+            )  # fmt: skip
             if len(batch) > 1:  # one wave: a transport may send it one copy for all
                 self.runner.expect_wave([self.replicas[rid].handle for rid in batch])
             for rid in batch:
@@ -565,17 +554,13 @@ class Updater:
             done, _ = await asyncio.wait(
                 running.values(), timeout=0.25, return_when=asyncio.FIRST_COMPLETED
             )
-            for rid, task in list(running.items()):
-                if task not in done:
-                    continue
-                del running[rid]
-                report = task.result()
-                rec.replicas[rid] = report
+            for rid in [rid for rid, task in running.items() if task in done]:
+                report = rec.replicas[rid] = running.pop(rid).result()
                 saver.changed()
-                if report.outcome is not ReplicaOutcome.READY:
-                    failed.add(rid)
-                    if refusal is None:
-                        refusal = f"{rid}: {report.outcome}: {report.reason}"
+                if report.outcome is not ReplicaOutcome.READY and not published:
+                    early.add(rid)
+                if report.outcome is not ReplicaOutcome.READY and refusal is None:
+                    refusal = f"{rid}: {report.outcome}: {report.reason}"
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:
