@@ -1,6 +1,7 @@
 """``python -m bench.lora``: LoRA generations (:mod:`testkit.scenarios.lora`) on 2 real vLLM CPU
 replicas, then the same policies as merged full-weight pushes to replicas of the same base (a
-rolling, drained update each); writes ``bench/results/lora.json``.
+rolling, drained update each); writes ``bench/results/lora.json``. Each run alternates a steady
+phase and an update phase ``--rounds`` times (5 by default: 2 pushes a round).
 
 Top-level fields: ``updates``, ``throughput_through_updates_over_steady``,
 ``push_to_all_admitting_s`` (the worst push; ``push_to_all_admitting_median_s``, and
@@ -29,6 +30,9 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--gap-s", type=float, default=2.0, help="seconds between pushes")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="steady and update phases alternate this many times"
+    )
     ap.add_argument("--no-full-weight", action="store_true", help="skip the comparison run")
     args = ap.parse_args()
     runs: dict[str, Any] = {}
@@ -37,8 +41,9 @@ def main() -> None:
             mode=mode,
             updates=args.updates,
             gap_s=args.gap_s,
-            steady_s=args.updates * args.gap_s,  # the two phases are equally long
+            steady_s=args.updates // args.rounds * args.gap_s,  # as long as an update phase
             concurrency=args.concurrency,
+            rounds=args.rounds,
         )
         with tempfile.TemporaryDirectory(prefix=f"lora-{mode}-") as d:
             runs[mode] = asyncio.run(scenario(p, Path(d)))
@@ -48,6 +53,7 @@ def main() -> None:
     result = {
         "updates": lora["updates"],
         "throughput_through_updates_over_steady": lora["throughput_through_updates_over_steady"],
+        "throughput_over_steady_by_round": lora["throughput_over_steady_by_round"],
         "push_to_all_admitting_s": lora["push_to_all_admitting_s"],
         "push_to_all_admitting_median_s": median(lora["push_to_all_admitting_s_each"]),
         "observed_push_to_all_admitting_s": lora["observed_push_to_all_admitting_s"],

@@ -9,8 +9,8 @@ Setup: a local redis-server; 2 vLLM CPU replicas of the tiny LoRA base
 process with ``generations: lora``. Generation g >= 1 is the marker adapter of ``marker_token(g)``
 (:func:`rolloutpool.local.lora_models.build_marker_adapter`), so a rollout's tokens name the
 generation that produced them. A load generator sends rollouts through the router (single requests
-and 3-request sessions, temperature 1.0); g1 is pushed, then comes a steady phase on
-it, then ``updates`` more pushes, one every ``gap_s`` (the update phase).
+and 3-request sessions, temperature 1.0); after the warm-up pushes come ``rounds`` rounds of a
+steady phase and an update phase (``updates / rounds`` pushes, one every ``gap_s``).
 
 Measured:
 
@@ -24,8 +24,9 @@ Measured:
   (it also runs the updater and the load generator);
 * ``update_phases``: per push, each replica's seconds per phase (``wait`` for its lock,
   ``load``, ``validate``, ``admit``); ``submit_s_each``: per push, the submit call itself;
-* ``throughput_through_updates_over_steady``: completed rollouts/s in the update phase over
-  the steady phase (the phases are equally long);
+* ``throughput_through_updates_over_steady``: completed rollouts/s in the update phases over
+  the steady phases (each round has one of each, equally long; ``rounds`` alternate them, and
+  ``throughput_over_steady_by_round`` has each round's ratio);
 * ``prefix_control``: on one replica, a 300-token prompt sent with one ``cache_salt`` through
   adapter g, then g+1, then g+1 again (vLLM's ``prefix_cache_hits`` counter read around each):
   g+1 must get 0 hits from g's blocks, and hits from its own;
@@ -83,6 +84,11 @@ class Params:
     mode: str = "lora"
     #: Pushes before the steady phase (not measured; the first loads warm vLLM's LoRA slots).
     warmup_pushes: int = 2
+    #: The measured part is ``rounds`` x (``steady_s`` without a push, then ``updates / rounds``
+    #: pushes every ``gap_s``), with ``settle_s`` unmeasured between rounds, so that the box's
+    #: noise falls on both phases alike.
+    rounds: int = 1
+    settle_s: float = 1.0
     #: ``lora``: after the updates, SIGKILL r1; it must come back on the latest generation
     #: (a fresh process on the base, then the live adapters).
     restart: bool = True
@@ -108,8 +114,12 @@ class Run:
         self.errors[what] = self.errors.get(what, 0) + 1
 
     def rate(self, t_from: float, t_to: float) -> float:
-        n = sum(1 for r in self.rollouts if t_from <= r.t_end < t_to)
-        return n / max(t_to - t_from, 1e-9)
+        return self.rate_over([(t_from, t_to)])
+
+    def rate_over(self, windows: list[tuple[float, float]]) -> float:
+        """Rollouts completed per second within the windows (their ends), over their total time."""
+        n = sum(1 for r in self.rollouts for a, b in windows if a <= r.t_end < b)
+        return n / max(sum(b - a for a, b in windows), 1e-9)
 
 
 def adapter_dir(g: int) -> Path:
@@ -379,6 +389,8 @@ def _replicas(workdir: Path, base: Path, p: Params) -> list[ReplicaConfig]:
 
 
 async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
+    if p.updates % p.rounds:
+        raise ValueError(f"{p.updates} updates do not split into {p.rounds} equal rounds")
     t_start = time.monotonic()
     base = await asyncio.to_thread(ensure_model, "lora-base")
     last = p.warmup_pushes + p.updates + 1
@@ -417,15 +429,22 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         # kernels cost more than the bare base model's, and that is not the updates' cost
         warmup = [await push(up, store, checkpoint(p, g), g) for g in range(1, p.warmup_pushes + 1)]
         await asyncio.sleep(2.0)  # warm-up, not measured
-        t_steady = time.monotonic()
-        await asyncio.sleep(p.steady_s)
-        t_updates = time.monotonic()
-        updates = []
-        for i, g in enumerate(range(p.warmup_pushes + 1, last), start=1):
-            updates.append(await push(up, store, checkpoint(p, g), g))
-            rest = t_updates + i * p.gap_s - time.monotonic()
-            await asyncio.sleep(max(rest, 0.0))
-        t_end = time.monotonic()
+        updates: list[dict[str, Any]] = []
+        steady_w: list[tuple[float, float]] = []  # (from, to) of each round's phases
+        update_w: list[tuple[float, float]] = []
+        generations = iter(range(p.warmup_pushes + 1, last))
+        for _ in range(p.rounds):
+            if steady_w:
+                await asyncio.sleep(p.settle_s)  # the last push's retiring, not measured
+            t_steady = time.monotonic()
+            await asyncio.sleep(p.steady_s)
+            t_updates = time.monotonic()
+            for i in range(1, p.updates // p.rounds + 1):
+                g = next(generations)
+                updates.append(await push(up, store, checkpoint(p, g), g))
+                await asyncio.sleep(max(t_updates + i * p.gap_s - time.monotonic(), 0.0))
+            steady_w.append((t_steady, t_updates))
+            update_w.append((t_updates, time.monotonic()))
         stop.set()
         await asyncio.gather(*bg)
         result: dict[str, Any] = {}
@@ -434,8 +453,11 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
                 result["restart"] = await _restart(up, store)
             result.update(await _control(up, store, url, p, last))
         bad = [r.id for r in run.rollouts if any(t != marker_token(r.generation) for t in r.tokens)]
-        steady = run.rate(t_steady, t_updates)
-        through = run.rate(t_updates, t_end)
+        steady, through = run.rate_over(steady_w), run.rate_over(update_w)
+        by_round = [
+            round(run.rate(*u) / run.rate(*q), 3) if run.rate(*q) else None
+            for q, u in zip(steady_w, update_w, strict=True)
+        ]
         admitting = [u["all_admitting_s"] for u in updates if u["all_admitting_s"] is not None]
         observed = [
             u["observed_all_admitting_s"]
@@ -461,6 +483,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             "throughput_through_updates_over_steady": (
                 round(through / steady, 3) if steady else None
             ),
+            "throughput_over_steady_by_round": by_round,
             "push_to_all_admitting_s": max(admitting) if admitting else None,
             "push_to_all_admitting_s_each": admitting,
             "observed_push_to_all_admitting_s": max(observed, default=None),
