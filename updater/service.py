@@ -483,11 +483,10 @@ class Updater:
         ``target`` (or none is left). Before the generation is published, only the first wave
         (``first_wave`` replicas) updates; once one of it failed, the update fails here
         (``rec.state`` FAILED) when the rest of it is back and none published. Each replica is
-        tried once; a member that failed before another one published (a first wave of several)
-        is waited for while it is RECOVERING and tried again if that left it on an older
-        generation (its recovery read the latest before the publish). Cancelled (the updater
-        stops), it cancels and awaits the cycles it started: a cycle cut off in a step leaves
-        its replica to the next updater, which trusts nothing it finds mid-update."""
+        tried once; a first-wave member that failed (while another one published) is waited for
+        while RECOVERING and tried again if left on an older generation (its recovery read the
+        latest before the publish). Cancelled (the updater stops), it cancels and awaits the
+        cycles it started: a cycle cut off in a step leaves its replica to the next updater."""
         running: dict[str, asyncio.Task[ReplicaReport]] = {}
         try:
             await self._roll_batches(rec, target, saver, running)
@@ -505,7 +504,8 @@ class Updater:
     ) -> None:
         s = self.settings
         attempted: set[str] = set()
-        early: set[str] = set()  # failed before the publish was seen: may be tried again once
+        first: set[str] = set()  # started before the publish: the first wave
+        early: set[str] = set()  # of it, those that failed: each may be tried again once
         retried: set[str] = set()
         refusal: str | None = None  # the first replica that failed before the publish, and why
         while True:
@@ -527,8 +527,8 @@ class Updater:
                 break
             # before the publish, the first wave only: it must prove the generation; once one
             # of it failed, no other replica tries the generation until another one proves it
-            wave = s.max_unavailable if published else s.first_wave if refusal is None else 0
-            room = wave - len(running)
+            limit = s.max_unavailable if published else s.first_wave if refusal is None else 0
+            room = limit - len(running)
             batch = [] if room <= 0 else plan.next_batch(
                 records,
                 target.generation.number,
@@ -543,6 +543,8 @@ class Updater:
             for rid in batch:
                 if rid in attempted:
                     retried.add(rid)
+                if not published:
+                    first.add(rid)
                 attempted.add(rid)
                 running[rid] = asyncio.create_task(self._cycle(self.replicas[rid], target, rec))
             if not running:  # so no batch either
@@ -557,7 +559,7 @@ class Updater:
             for rid in [rid for rid, task in running.items() if task in done]:
                 report = rec.replicas[rid] = running.pop(rid).result()
                 saver.changed()
-                if report.outcome is not ReplicaOutcome.READY and not published:
+                if report.outcome is not ReplicaOutcome.READY and rid in first:
                     early.add(rid)
                 if report.outcome is not ReplicaOutcome.READY and refusal is None:
                     refusal = f"{rid}: {report.outcome}: {report.reason}"

@@ -225,7 +225,10 @@ async def roll(
     )
     await up.records.save(rec)
     await up._roll(rec, UpdateTarget(g1, ident, model, Probe((1,), (2,))))
-    await asyncio.gather(*recoveries)
+    if rec.published_ms is None:  # nothing to recover across
+        for t in recoveries:
+            t.cancel()
+    await asyncio.gather(*recoveries, return_exceptions=True)
     await up.lease.release()
     stored = await store.update(rec.id)
     return Rolled(rec, recorder.waves, together, started, before_publish, stored)
@@ -337,17 +340,29 @@ async def test_a_failed_update_is_failed_in_the_store_too(store: RedisStore) -> 
     wave=st.integers(1, 5),
     extra=st.integers(0, 4),
     failing=st.sets(st.sampled_from([f"r{i}" for i in range(5)])),
+    recovers=st.sets(st.sampled_from([f"r{i}" for i in range(5)])),
+    late=st.booleans(),
 )
 def test_any_first_wave_keeps_the_plan_and_ends_by_its_failures(
-    store_settings: StoreSettings, n: int, wave: int, extra: int, failing: set[str]
+    store_settings: StoreSettings,
+    n: int,
+    wave: int,
+    extra: int,
+    failing: set[str],
+    recovers: set[str],
+    late: bool,
 ) -> None:
-    """For any pool size, first wave, ``max_unavailable`` and set of replicas whose cycles
-    fail: at most ``first_wave`` cycles start before the generation is published; each replica
-    is tried at most once; the update succeeds exactly when a replica of the first wave proved
-    the generation, and then every replica is tried; when the whole first wave fails, no
-    other replica is tried and nothing is published."""
+    """For any pool size, first wave, ``max_unavailable``, set of replicas whose cycles fail
+    and set of first-wave members that fail once and are recovered on g0 (before or across the
+    publish): at most ``first_wave`` cycles start before the generation is published; each
+    replica is tried once, except that a recovered member is tried a second time, after the
+    publish, when the update goes on; the update succeeds exactly when a replica of the first
+    wave proved the generation, and then every replica is tried and every one not failing ends
+    READY on it; when the whole first wave fails, no other replica is tried and nothing is
+    published."""
     first_wave = min(wave, n)
     failing = {r for r in failing if int(r[1:]) < n}
+    recovers = {r for r in recovers if int(r[1:]) < first_wave} - failing
 
     async def body() -> None:
         ns = f"t{uuid.uuid4().hex[:12]}"
@@ -357,20 +372,25 @@ def test_any_first_wave_keeps_the_plan_and_ends_by_its_failures(
                 store,
                 n,
                 failing,
+                recovers,
+                late,
                 max_unavailable=min(n, first_wave + extra),
                 first_wave=first_wave,
             )
             latest = await store.latest()
+            ended = {r.replica_id: (r.state, r.generation) for r in await store.replicas()}
         finally:
             await store.close()
-        assert len(early) <= first_wave and len(tried) == len(set(tried))
-        proved = [r for r in early if r not in failing]
+        assert len(early) <= first_wave and len(set(early)) == len(early)
+        proved = [r for r in early if r not in failing | recovers]
         if proved:
             assert rec.state is UpdateState.SUCCEEDED, rec.error
-            assert set(tried) == {f"r{i}" for i in range(n)}
+            assert sorted(tried) == sorted([f"r{i}" for i in range(n)] + sorted(recovers))
+            assert all(ended[r] == (S.READY, 1) for r in ended if r not in failing)
         else:
             assert rec.state is UpdateState.FAILED and rec.published_ms is None
-            assert set(tried) == set(early) and latest is not None and latest[0].number == 0
+            assert sorted(tried) == sorted(early) and latest is not None
+            assert latest[0].number == 0
 
     asyncio.run(body())
 
