@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from pool.metrics import RouterMetrics
 from pool.settings import StoreSettings
 from pool.store import RedisStore
+from pool.store.feed import PoolWatch
 from pool.types import BindingState, Generation, ReplicaRecord, ReplicaState
 from pool.web import BadRequest
 from router.admission import Admitter, PoolSnapshot, ReplicaView, affinity_key, candidates
@@ -199,20 +200,34 @@ async def test_sessions_count_before_the_cached_view_sees_them(store: RedisStore
 async def test_a_waiting_admission_is_tried_again_at_the_next_change_of_the_view(
     store: RedisStore,
 ) -> None:
-    """No replica READY: the admission waits. Once one is READY, the change feed invalidates
-    the view, and that wakes the waiting admission at once: it does not sleep out its back-off
-    (here 30 s, so that only the wake-up can admit it within the test's bound)."""
+    """No replica READY: the admission waits. Once one is READY, the change feed (a real
+    ``PoolWatch`` on the store, wired as the router wires it) invalidates the view, and that
+    wakes the waiting admission at once: it does not sleep out its back-off (here 30 s, so that
+    only the wake-up can admit it within the test's bound)."""
     adm = admitter(store, ttl_s=60.0)
     adm.wait_s, adm.backoff_s = 120.0, (30.0, 30.0)
-    waiting = asyncio.create_task(adm.admit("ro-w", Constraints(), b"", session=False, lease_s=30))
-    while not adm.view.waited_on:  # parked after its first round found no replica
-        assert not waiting.done(), waiting
-        await asyncio.sleep(0.01)
-    await publish_ready(store, [("r0", DEAD)])
-    adm.view.invalidate()  # as the change feed does after applying the change
-    got = await asyncio.wait_for(waiting, 10.0)
-    assert got.replica.replica_id == "r0"
-    await store.release("ro-w", "r0")
+    watch = adm.view.watch = PoolWatch(store, on_change=lambda ids: adm.view.invalidate())
+    stop = asyncio.Event()
+    following = asyncio.create_task(watch.run(stop))
+    try:
+
+        async def subscribed() -> bool:
+            return watch.read_at is not None
+
+        await until(subscribed)
+        waiting = asyncio.create_task(
+            adm.admit("ro-w", Constraints(), b"", session=False, lease_s=30)
+        )
+        while not adm.view.waited_on:  # parked after its first round found no replica
+            assert not waiting.done(), waiting
+            await asyncio.sleep(0.01)
+        await publish_ready(store, [("r0", DEAD)])
+        got = await asyncio.wait_for(waiting, 10.0)
+        assert got.replica.replica_id == "r0"
+        await store.release("ro-w", "r0")
+    finally:
+        stop.set()
+        await following
 
 
 def test_affinity_key_forms() -> None:
