@@ -203,11 +203,6 @@ class ReplicaView:
         if change is not None and not change.done():
             change.set_result(None)
 
-    @property
-    def waited_on(self) -> bool:
-        """Whether a :meth:`wait_change` began since the last :meth:`invalidate`."""
-        return self._change is not None
-
     async def wait_change(self, timeout_s: float) -> bool:
         """Wait for the next :meth:`invalidate`, at most ``timeout_s``; True if it came. Any
         number of callers may wait at once; a caller cancelled or timed out leaves the others

@@ -207,6 +207,14 @@ async def test_a_waiting_admission_is_tried_again_at_the_next_change_of_the_view
     adm = admitter(store, ttl_s=60.0)
     adm.wait_s, adm.backoff_s = 120.0, (30.0, 30.0)
     watch = adm.view.watch = PoolWatch(store, on_change=lambda ids: adm.view.invalidate())
+    parked = asyncio.Event()  # the admission's first round found no replica; it waits
+    wait_change = adm.view.wait_change
+
+    async def waits(timeout_s: float) -> bool:
+        parked.set()
+        return await wait_change(timeout_s)
+
+    adm.view.wait_change = waits  # type: ignore[method-assign]
     stop = asyncio.Event()
     following = asyncio.create_task(watch.run(stop))
     try:
@@ -218,9 +226,9 @@ async def test_a_waiting_admission_is_tried_again_at_the_next_change_of_the_view
         waiting = asyncio.create_task(
             adm.admit("ro-w", Constraints(), b"", session=False, lease_s=30)
         )
-        while not adm.view.waited_on:  # parked after its first round found no replica
-            assert not waiting.done(), waiting
-            await asyncio.sleep(0.01)
+        await asyncio.wait({waiting, asyncio.ensure_future(parked.wait())}, timeout=10.0,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        assert parked.is_set() and not waiting.done(), waiting
         await publish_ready(store, [("r0", DEAD)])
         got = await asyncio.wait_for(waiting, 10.0)
         assert got.replica.replica_id == "r0"
