@@ -34,11 +34,6 @@ def main() -> None:
         "--rounds", type=int, default=5, help="steady and update phases alternate this many times"
     )
     ap.add_argument("--no-full-weight", action="store_true", help="skip the comparison run")
-    ap.add_argument(
-        "--gpu",
-        action="store_true",
-        help="both replicas on GPU 0 (the GPU host), no restart; writes lora_gpu.json",
-    )
     args = ap.parse_args()
     runs: dict[str, Any] = {}
     for mode in ("lora",) if args.no_full_weight else ("lora", "weights"):
@@ -49,8 +44,6 @@ def main() -> None:
             steady_s=args.updates // args.rounds * args.gap_s,  # as long as an update phase
             concurrency=args.concurrency,
             rounds=args.rounds,
-            gpu=args.gpu,
-            restart=not args.gpu,
         )
         with tempfile.TemporaryDirectory(prefix=f"lora-{mode}-") as d:
             runs[mode] = asyncio.run(scenario(p, Path(d)))
@@ -75,7 +68,7 @@ def main() -> None:
         "lora": lora,
         "full_weight": full,
     }
-    write("lora_gpu" if args.gpu else "lora", result)
+    write("lora", result)
     print({k: v for k, v in result.items() if not isinstance(v, dict)})
 
 

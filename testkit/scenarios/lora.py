@@ -52,12 +52,12 @@ import httpx
 from pool.adapters import adapter_name
 from pool.engine import VllmEngine
 from pool.engine_adapters import served_adapters
-from pool.launcher import LocalReplica, ReplicaSpec
+from pool.launcher import ReplicaSpec
 from pool.settings import StoreSettings
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
 from rolloutpool.local.models import ensure_model, marker_token
-from testkit.harness import local_launcher, stop_replicas
+from testkit.harness import local_launcher
 from testkit.procs import terminate
 from testkit.redis_server import RedisServer, free_port
 from testkit.scenarios.rolling import observer_store, start_router, wait_http
@@ -90,11 +90,8 @@ class Params:
     rounds: int = 1
     settle_s: float = 1.0
     #: ``lora``: after the updates, SIGKILL r1; it must come back on the latest generation
-    #: (a fresh process on the base, then the live adapters). Not with ``gpu``.
+    #: (a fresh process on the base, then the live adapters).
     restart: bool = True
-    #: Both replicas on GPU 0 (vLLM's gpu flavour, ``--gpu-memory-utilization 0.3`` each),
-    #: started by the scenario and given to the updater by URL (``provider`` external).
-    gpu: bool = False
 
 
 @dataclass
@@ -372,48 +369,28 @@ async def _restart(up: Updater, store: RedisStore) -> dict[str, Any]:
     }
 
 
-def _spec(i: int, workdir: Path, base: Path, p: Params) -> ReplicaSpec:
-    """Replica ``i``: a vLLM CPU server on core ``i``, or (``gpu``) on GPU 0, which both share."""
-    gpu: dict[str, Any] = {
-        "flavor": "gpu",
-        "cpu_bind": None,
-        "cuda_visible_devices": "0",
-        "extra_args": ("--gpu-memory-utilization", "0.3"),
-        "env": {"NCCL_NVLS_ENABLE": "0"},
-    }
-    return ReplicaSpec(
-        model=base,
-        name=f"lora-r{i}",
-        work_dir=workdir / f"r{i}",
-        max_loras=p.max_staleness + 3 if p.mode == "lora" else None,
-        max_lora_rank=8,
-        startup_timeout_s=480.0 if p.gpu else 240.0,
-        **(gpu if p.gpu else {"cpu_bind": str(i)}),
-    )
-
-
-async def _replicas(
-    workdir: Path, base: Path, p: Params, started: list[LocalReplica]
-) -> list[ReplicaConfig]:
-    """The updater's replicas: launched by it (its local provider), or (``gpu``) started here one
-    after the other (vLLM's start-up memory profiling assumes nobody else allocates on the GPU
-    meanwhile), appended to ``started``, and given to it by URL."""
-    if not p.gpu:
-        return [
-            ReplicaConfig(id=f"r{i}", model=base, launch=_spec(i, workdir, base, p))
-            for i in range(2)
-        ]
-    for i in range(2):
-        started.append(LocalReplica(_spec(i, workdir, base, p)))
-        await started[-1].start()
-    return [ReplicaConfig(id=f"r{i}", url=r.url, model=base) for i, r in enumerate(started)]
+def _replicas(workdir: Path, base: Path, p: Params) -> list[ReplicaConfig]:
+    return [
+        ReplicaConfig(
+            id=f"r{i}",
+            model=base,
+            launch=ReplicaSpec(
+                model=base,
+                name=f"lora-r{i}",
+                cpu_bind=str(i),
+                work_dir=workdir / f"r{i}",
+                max_loras=p.max_staleness + 3 if p.mode == "lora" else None,
+                max_lora_rank=8,
+                startup_timeout_s=240.0,
+            ),
+        )
+        for i in range(2)
+    ]
 
 
 async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     if p.updates % p.rounds:
         raise ValueError(f"{p.updates} updates do not split into {p.rounds} equal rounds")
-    if p.gpu and p.restart:
-        raise ValueError("the restart needs replicas the updater launched: not with gpu")
     t_start = time.monotonic()
     base = await asyncio.to_thread(ensure_model, "lora-base")
     last = p.warmup_pushes + p.updates + 1
@@ -423,14 +400,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
     redis = RedisServer(workdir / "redis").start()
     store = observer_store(redis.url, NAMESPACE)  # the scenario's own reads
     updater_store = RedisStore.connect(StoreSettings(url=redis.url, namespace=NAMESPACE))
-    started: list[LocalReplica] = []
-    try:
-        replicas = await _replicas(workdir, base, p, started)
-    except BaseException:
-        await stop_replicas(started)
-        raise
     settings = UpdaterSettings(
-        replicas=replicas,
+        replicas=_replicas(workdir, base, p),
         generations="lora" if p.mode == "lora" else "weights",
         max_lora_rank=8,
         max_staleness=p.max_staleness,
@@ -483,10 +454,8 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             result.update(await _control(up, store, url, p, last))
         bad = [r.id for r in run.rollouts if any(t != marker_token(r.generation) for t in r.tokens)]
         steady, through = run.rate_over(steady_w), run.rate_over(update_w)
-        by_round = [
-            round(run.rate(*u) / run.rate(*q), 3) if run.rate(*q) else None
-            for q, u in zip(steady_w, update_w, strict=True)
-        ]
+        rounds = [(run.rate(*q), run.rate(*u)) for q, u in zip(steady_w, update_w, strict=True)]
+        by_round = [round(u / q, 3) if q else None for q, u in rounds]
         admitting = [u["all_admitting_s"] for u in updates if u["all_admitting_s"] is not None]
         observed = [
             u["observed_all_admitting_s"]
@@ -533,7 +502,6 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             terminate(proc)
         with contextlib.suppress(Exception):
             await up.stop()
-        await stop_replicas(started)
         await updater_store.close()
         await store.close()
         redis.stop()
