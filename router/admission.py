@@ -210,7 +210,8 @@ class ReplicaView:
         if self._change is None:
             self._change = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(self._change), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: it can lose a cancellation
+                await asyncio.shield(self._change)
         except TimeoutError:
             return False
         return True

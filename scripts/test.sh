@@ -45,11 +45,14 @@ if [ "$unit_rc" != 0 ] || [ "$mypy_rc" != 0 ]; then exit 1; fi
 # One pytest process per integration module (each starts with a fresh event loop and fixtures),
 # two at a time, slowest first: most of a module's time is spent waiting on servers it started,
 # so two lanes share 2 cores well. A module's output is printed whole when it ends.
+# A test past 600 s fails with every thread's stack (pytest-timeout); a module still running at
+# 900 s (a teardown that hangs too) is sent SIGABRT, so its log ends with the Python stacks
+# (faulthandler) and is printed, and the run fails inside its budget instead of outliving it.
 integration_module() {
   local log rc=0 t0=$SECONDS
   log=$(mktemp)
-  .venv/bin/python -m pytest "$1" -m integration -q -p no:cacheprovider --timeout 1800 \
-    >"$log" 2>&1 || rc=$?
+  timeout -s ABRT -k 30 900 .venv/bin/python -m pytest "$1" -m integration -q \
+    -p no:cacheprovider --timeout 600 >"$log" 2>&1 || rc=$?
   {
     echo "== $1: rc $rc in $((SECONDS - t0)) s"
     if [ "$rc" = 0 ]; then tail -n 1 "$log"; else cat "$log"; fi

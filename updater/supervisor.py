@@ -157,9 +157,8 @@ class Supervisor:
         if m.handle.lc.state is not S.READY:
             return
         try:  # within the health timeout: a provider that cannot tell in time does not know
-            known = await asyncio.wait_for(
-                self.provider.alive(m.id), self.settings.health_timeout_s
-            )
+            async with asyncio.timeout(self.settings.health_timeout_s):
+                known = await self.provider.alive(m.id)
         except TimeoutError:
             known = None
         alive = known is not False

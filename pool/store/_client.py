@@ -15,6 +15,7 @@ failover), :class:`~pool.errors.StoreBusy` (this process's connection pool staye
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
@@ -37,6 +38,15 @@ _POOL_EXHAUSTED = "No connection available."
 #: Matched as words anywhere in the message: pipelines wrap the reply, e.g. ``Command # 1
 #: (...) of pipeline caused error: ('NOREPLICAS Not enough good replicas to write.',)``.
 _TRANSIENT = re.compile(r"\b(NOREPLICAS|READONLY|LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN)\b")
+
+
+def _raise_if_cancelled_since(
+    task: asyncio.Task[Any] | None, before: int, err: BaseException | None
+) -> None:
+    """Raise ``CancelledError`` if ``task`` was asked to cancel since it counted ``before``
+    pending cancellations (one that was delivered and caught earlier does not count)."""
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError() from err
 
 
 def ms(seconds: float) -> int:
@@ -86,13 +96,26 @@ class StoreClient:
         await self._clients.aclose()
 
     async def call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """Run one redis-py call, translating its errors into the pool's (the seam)."""
+        """Run one redis-py call, translating its errors into the pool's (the seam).
+
+        A cancellation of the calling task that arrives during the call always ends it with
+        ``CancelledError``. redis-py alone may lose it: on Python 3.11 its socket write goes
+        through ``asyncio.wait_for``, which returns normally when the cancellation lands as the
+        write completes (CPython gh-86296), and a read cut by one can surface as a lost
+        connection. A loop that retries store errors would then run on, and whoever cancelled
+        it (an updater's or a router's ``stop()``) would wait for it forever."""
+        task = asyncio.current_task()
+        before = 0 if task is None else task.cancelling()
         try:
-            return await fn()
-        except LockError:
-            raise  # the lease's own protocol errors; UpdaterLease translates them
+            out = await fn()
+        except LockError as e:  # the lease's own protocol errors; UpdaterLease translates them
+            _raise_if_cancelled_since(task, before, e)
+            raise
         except (RedisError, OSError) as e:
+            _raise_if_cancelled_since(task, before, e)
             raise self._translate(e) from e
+        _raise_if_cancelled_since(task, before, None)
+        return out
 
     def _translate(self, e: Exception) -> Exception:
         """The pool's error for a redis-py error (``e`` itself for anything else)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from typing import Any
@@ -17,6 +18,7 @@ from pool.errors import (
     StaleFencingToken,
     StoreBusy,
     StoreConflict,
+    StoreError,
     StoreUnavailable,
 )
 from pool.records import UpdateRecord, UpdateState
@@ -580,3 +582,29 @@ async def test_declared_generations_are_trimmed_to_the_newest(
         assert await store.label_owner("step-15") == 15
     finally:
         await store.close()
+
+
+async def test_a_cancellation_during_a_call_always_ends_the_calling_loop(store: RedisStore) -> None:
+    """A loop that retries store errors (as the lease keeper and the updater's record watcher
+    do) ends when cancelled, wherever in a Redis call the cancellation lands. Without the seam's
+    check, Python 3.11's ``asyncio.wait_for`` around redis-py's socket write returned normally
+    under about two cancellations in three here, the loop ran on, and an updater's ``stop()``
+    that awaited it never returned."""
+    outcomes: list[str] = []
+    for steps in range(40):  # the cancellation lands `steps` loop iterations into the calls
+
+        async def retrying() -> str:
+            for _ in range(100):
+                with contextlib.suppress(StoreError):
+                    await store.latest()
+            return "ran on"
+
+        task = asyncio.create_task(retrying())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            outcomes.append(await task)
+        except asyncio.CancelledError:
+            outcomes.append("cancelled")
+    assert outcomes == ["cancelled"] * 40, outcomes

@@ -62,7 +62,8 @@ _RemoteActor = ray.remote(ReplicaActor)
 
 async def _call(ref: Any, timeout_s: float) -> Any:
     """Await an actor call's ObjectRef for at most ``timeout_s`` (TimeoutError past it)."""
-    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+    async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can lose a cancellation
+        return await asyncio.wrap_future(ref.future())
 
 
 class RayProvider(ReplicaProvider):

@@ -350,10 +350,10 @@ class NcclDirectTransport(NcclTransport):
         failed = [u for u, r in zip(urls, received, strict=True) if isinstance(r, BaseException)]
         if failed:  # the sender may be stuck in a broadcast nobody completes
             self._abandon_wave(g, f"receive failed on {failed}")
+        sent: dict[str, Any] | BaseException
         try:
-            sent: dict[str, Any] | BaseException = await asyncio.wait_for(
-                asyncio.wrap_future(send), timeout=0.5 if failed else c.wave_receive_timeout_s
-            )
+            async with asyncio.timeout(0.5 if failed else c.wave_receive_timeout_s):
+                sent = await asyncio.wrap_future(send)
         except Exception as e:
             sent = e
             if not failed:
