@@ -35,6 +35,7 @@ from pool.types import Generation, Manifest
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "LORA_FACTOR",
     "AdapterInfo",
     "adapter_name",
     "read_adapter",
@@ -44,7 +45,8 @@ __all__ = [
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-_FACTOR = re.compile(
+#: A PEFT factor tensor's name: its module and which factor ("A" or "B").
+LORA_FACTOR = re.compile(
     r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$"
 )
 
@@ -127,7 +129,7 @@ def read_adapter(path: Path, base: Manifest, max_rank: int) -> AdapterInfo:
     shapes = {t.name: t.shape for t in base.tensors}
     factors: dict[str, dict[str, tuple[int, ...]]] = {}
     for t in manifest.tensors:
-        m = _FACTOR.match(t.name)
+        m = LORA_FACTOR.match(t.name)
         if m is None:
             raise _refuse(path, f"tensor {t.name!r} is not a LoRA factor (lora_A/lora_B)")
         factors.setdefault(m["module"], {})[m["ab"]] = t.shape

@@ -26,6 +26,7 @@ import hashlib
 import json
 import mmap
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from pool.errors import PreflightFailed
 from pool.types import Manifest, TensorSpec
 
 __all__ = [
+    "ONE_BYTE_DTYPES",
     "SAFETENSORS_DTYPES",
     "CheckpointError",
     "checkpoint_checksums",
@@ -41,6 +43,7 @@ __all__ = [
     "read_header",
     "read_manifest",
     "safetensors_files",
+    "tensor_bytes",
     "vocab_size",
 ]
 
@@ -242,12 +245,11 @@ def vocab_size(directory: Path) -> int | None:
     return None
 
 
-def checkpoint_checksums(directory: Path) -> dict[str, Checksum]:
-    """:mod:`pool.checksum` checksums of every tensor of the checkpoint, over its stored bytes
-    (each file memory-mapped; numpy, no torch). Cost: one full read of the weights. Raises
+def tensor_bytes(directory: Path) -> Iterator[tuple[TensorSpec, memoryview]]:
+    """Every tensor of the checkpoint with its stored bytes (each file memory-mapped; no torch).
+    A view is valid only until the next item: copy what must outlive it. Raises
     :class:`CheckpointError` like :func:`read_manifest`, and for a tensor whose byte range lies
     outside its file."""
-    out: dict[str, Checksum] = {}
     for file in safetensors_files(directory):
         header = read_header(file)
         try:
@@ -263,13 +265,27 @@ def checkpoint_checksums(directory: Path) -> dict[str, Checksum]:
                             f"{file}: tensor {name!r} lies outside the file", path=str(file)
                         )
                     with memoryview(mm)[begin:end] as data:
-                        itemsize = 1 if spec.dtype in _ONE_BYTE else 2
-                        plain, weighted = words_checksum(data, itemsize)
-                    out[name] = Checksum(spec.dtype, spec.shape, plain, weighted)
+                        yield spec, data
         except (OSError, ValueError, BufferError) as e:
             raise CheckpointError(f"{file}: cannot read: {e}", path=str(file)) from e
+
+
+def checkpoint_checksums(directory: Path) -> dict[str, Checksum]:
+    """:mod:`pool.checksum` checksums of every tensor of the checkpoint, over its stored bytes
+    (:func:`tensor_bytes`). Cost: one full read of the weights. Raises :class:`CheckpointError`
+    like :func:`tensor_bytes`."""
+    out: dict[str, Checksum] = {}
+    for spec, data in tensor_bytes(directory):
+        itemsize = 1 if spec.dtype in ONE_BYTE_DTYPES else 2
+        try:
+            plain, weighted = words_checksum(data, itemsize)
+        except ValueError as e:  # a byte count that is not whole words
+            raise CheckpointError(f"tensor {spec.name!r}: {e}", path=str(directory)) from e
+        out[spec.name] = Checksum(spec.dtype, spec.shape, plain, weighted)
     return out
 
 
 #: dtypes of one byte per element (every other dtype is read as 16-bit words)
-_ONE_BYTE = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "int8", "uint8", "bool"})
+ONE_BYTE_DTYPES = frozenset(
+    {"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "int8", "uint8", "bool"}
+)

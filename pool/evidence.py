@@ -327,7 +327,9 @@ class AdapterEvidence:
     greedy output of the probe sent with ``model`` = ``adapter`` and ``answered_model`` the
     ``model`` its answer named. ``process`` is the serving process's identity read after the
     probe (None: not reported); it must be the bootstrapped one, or the adapter was validated
-    on a process the record does not vouch for.
+    on a process the record does not vouch for. ``checksums``: the factors the replica's workers
+    hold against the adapter directory's (:mod:`pool.adapter_sums`), where the pool compares
+    them (None: not compared); they must be equal.
     """
 
     generation: Generation
@@ -338,6 +340,7 @@ class AdapterEvidence:
     probe_actual: tuple[int, ...]
     answered_model: str | None
     process: str | None = None
+    checksums: ChecksumEvidence | None = None
 
     @property
     def proves_admissible(self) -> bool:
@@ -346,6 +349,7 @@ class AdapterEvidence:
             and self.answered_model == self.adapter
             and len(self.probe_expected) > 0
             and self.probe_expected == self.probe_actual
+            and (self.checksums is None or self.checksums.proves_equal)
         )
 
 

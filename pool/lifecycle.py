@@ -227,7 +227,8 @@ def _adapter(lc: Lifecycle, ev: Event) -> Lifecycle:
             lc,
             ev,
             f"listed={ev.listed} answered_model={ev.answered_model!r} (sent {ev.adapter!r}) "
-            f"probe {list(ev.probe_actual[:8])} expected {list(ev.probe_expected[:8])}",
+            f"probe {list(ev.probe_actual[:8])} expected {list(ev.probe_expected[:8])} "
+            f"checksums {ev.checksums}",
         )
     if ev.process is not None and lc.process is not None and ev.process != lc.process.engine:
         raise _refuse(

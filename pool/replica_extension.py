@@ -8,12 +8,15 @@ Loaded into every worker of a replica with vLLM's supported plug-in point (no vL
 vLLM mixes the class into its worker class, so ``self`` below is the worker; each method is
 called on every worker through ``POST /collective_rpc`` with keyword arguments as JSON strings,
 and its return value (a dict) comes back as that worker's result. Each call runs inside the
-engine loop and blocks it: call them on a paused engine.
+engine loop and blocks it: call them on a paused engine (the LoRA checksums excepted: they read
+a few KB).
 
 * :meth:`WeightExtension.rolloutpool_layout` — the runtime weights by *checkpoint* tensor name,
   ``{name: [dtype, shape]}``: the read-only plan a sender checks before sending.
 * :meth:`WeightExtension.rolloutpool_checksums` — :mod:`pool.checksum` checksums over the
   runtime parameters, by checkpoint name.
+* :meth:`WeightExtension.rolloutpool_lora_checksums` — the same over the factors of every LoRA
+  adapter the worker holds, to compare with :mod:`pool.adapter_sums` (runs on a serving engine).
 * :meth:`WeightExtension.rolloutpool_direct_init` / ``_direct_receive`` / ``_direct_close`` —
   the receiving side of the ``nccl_direct`` transport: join an NCCL group with the sender
   (rank 0) and broadcast each tensor straight into the runtime parameter (no staging buffer, no
@@ -196,6 +199,36 @@ class WeightExtension:
         views = runtime_views(self._rolloutpool_model(), writable=False)
         sums = tensor_checksums(views.items())
         return {"checksums": to_json(sums), "elapsed_s": time.perf_counter() - t0}
+
+    def rolloutpool_lora_checksums(self) -> dict[str, Any]:
+        """``{"adapters": {vLLM's adapter id: {name: checksum}}, "elapsed_s"}``:
+        :mod:`pool.checksum` over the factors of every LoRA adapter this worker holds, as it
+        holds them (served dtype, scaling in ``lora_B``), named as :mod:`pool.adapter_sums`
+        names them: a packed module's factors (``qkv_proj``) under the modules it packs. Reads
+        a few KB per module, so it may run on a serving engine. TP = PP = 1 only; raises where
+        LoRA is not enabled."""
+        self._rolloutpool_tp(sharded_ok=False)
+        t0 = time.perf_counter()
+        runner: Any = getattr(self, "model_runner")  # noqa: B009 - set by vLLM's worker
+        workers = getattr(runner, "lora_manager", None)
+        if workers is None:
+            raise RuntimeError("LoRA is not enabled on this replica (--enable-lora)")
+        manager = workers._adapter_manager  # vLLM's LoRAModelManager: no public accessor
+        packed: dict[str, list[str]] = dict(manager.packed_modules_mapping)
+        out: dict[str, Any] = {}
+        for adapter_id, adapter in manager.list_adapters().items():
+            named: list[tuple[str, Any]] = []
+            for module, w in adapter.loras.items():
+                prefix, _, leaf = module.rpartition(".")
+                if isinstance(w.lora_a, list):  # packed: one factor pair per packed module
+                    subs = packed.get(leaf, [])
+                    for sub, a, b in zip(subs, w.lora_a, w.lora_b, strict=False):
+                        if a is not None:
+                            named += [(f"{prefix}.{sub}.lora_A", a), (f"{prefix}.{sub}.lora_B", b)]
+                else:
+                    named += [(f"{module}.lora_A", w.lora_a), (f"{module}.lora_B", w.lora_b)]
+            out[str(adapter_id)] = to_json(tensor_checksums(named))
+        return {"adapters": out, "elapsed_s": time.perf_counter() - t0}
 
     # -- the direct receive (GPU) ----------------------------------------------------------------
 

@@ -12,8 +12,10 @@ admitted beside it. An update, on every READY replica at once::
               anything else (no answer, the name still listed, g's probe failing): TAINTED
               (I4), recovered from a fresh process (I6)
     validate  the probe through the adapter (greedy, model = the adapter), the answer's
-              ``model``, the process unchanged since bootstrap -> AdapterEvidence; evidence
-              that does not prove the adapter: it is unloaded and the replica judged as above
+              ``model``, the process unchanged since bootstrap and, with ``lora_checksums``,
+              the factors the workers hold equal to the directory's (:mod:`pool.adapter_sums`)
+              -> AdapterEvidence; evidence that does not prove the adapter: it is unloaded and
+              the replica judged as above
     admit     READY(g) -> READY(g+1) (fenced CAS, not published), for every replica that
               validated; then g+1 is published once (:meth:`pool.store.adapters.Adapters.publish`)
 
@@ -51,11 +53,14 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
+from pool.adapter_sums import expected_adapter_checksums
 from pool.adapters import adapter_name, served_model
+from pool.checksum import from_json
 from pool.engine_adapters import load_adapter, probe_adapter, served_adapters, unload_adapter
 from pool.errors import EngineError, NoMutation, NotFound, RolloutPoolError
-from pool.evidence import AdapterEvidence
+from pool.evidence import AdapterEvidence, ChecksumEvidence
 from pool.records import ReplicaOutcome, ReplicaReport, UpdateRecord
 from pool.types import GenerationRecord, ReplicaState
 from updater.cycle import CycleRunner
@@ -85,13 +90,15 @@ class LoraRollout:
         self,
         runner: CycleRunner,
         replicas: dict[str, ManagedReplica],
-        *,
         max_staleness: int,
+        checksums: bool = False,
     ) -> None:
         self.runner = runner
         self.store = runner.store
         self.replicas = replicas
         self.max_staleness = max_staleness
+        #: compare the factors the workers hold with the directory's (``lora_checksums``)
+        self.checksums = checksums
         self._tried: set[tuple[str, int]] = set()  # what reconcile() already attempted
 
     # ------------------------------------------------------------------ the update
@@ -178,7 +185,7 @@ class LoraRollout:
         report.phases["load"] = time.monotonic() - t0
         t0 = time.monotonic()
         probe = gen.probe_prompt
-        (actual, named), process = await asyncio.gather(
+        (actual, named), process, sums = await asyncio.gather(
             self.runner._engine(
                 "validate",
                 lambda: probe_adapter(
@@ -189,8 +196,11 @@ class LoraRollout:
                 fenced=False,
             ),
             h.process(d.resume_s),
+            self._checksums(h, gen),  # beside the probe: the call waits for an engine step
         )
         report.phases["validate"] = time.monotonic() - t0
+        if sums is not None:
+            report.phases["checksums"] = sums.replica_s + sums.sender_s
         ev = AdapterEvidence(
             generation=gen.generation,
             identity_digest=gen.identity.digest,
@@ -200,13 +210,48 @@ class LoraRollout:
             probe_actual=actual,
             answered_model=named,
             process=None if process is None else process.engine,
+            checksums=sums,
         )
         if not ev.proves_admissible:
             why = f"validation: probe {list(actual[:8])}, expected {list(gen.probe_expected[:8])}"
             why += f", answer named {named!r}" if named != name else ""
+            why += f", checksums {sums}" if sums is not None and not sums.proves_equal else ""
             await unload_adapter(h.engine, name, timeout_s=d.transfer_s)
             await self._judge_failure(h, name, why, refused=True)
         return ev
+
+    async def _checksums(self, h: ReplicaHandle, gen: GenerationRecord) -> ChecksumEvidence | None:
+        """With ``lora_checksums`` (else None): the factors of the adapter ``h`` loaded last
+        against ``gen``'s directory's (vLLM numbers adapters in load order, and only this
+        updater loads any, under the replica's lock). A replica that cannot report (no worker
+        extension, LoRA off, an error) or an adapter whose checksums cannot be predicted yields
+        evidence with ``error`` set, which does not prove equality."""
+        if not self.checksums:
+            return None
+        t0 = time.monotonic()
+        replica_s = 0.0
+        try:
+            rpc = await h.engine.collective_rpc(
+                "rolloutpool_lora_checksums", timeout_s=self.runner.deadlines.validate_s
+            )
+            replica_s = time.monotonic() - t0
+            if len(rpc.results) != 1 or not isinstance(rpc.results[0], dict):
+                raise ValueError(f"one result per worker expected, got {rpc.results!r:.200}")
+            held = {int(i): from_json(s) for i, s in rpc.results[0]["adapters"].items()}
+            actual = held[max(held)] if held else {}
+            if not actual:
+                raise ValueError("the workers hold no adapter factors")
+            dtype = next(iter(actual.values())).dtype
+            t0 = time.monotonic()
+            expected = await asyncio.to_thread(
+                expected_adapter_checksums, Path(gen.checkpoint), dtype
+            )
+        except Exception as e:
+            return ChecksumEvidence.compare(
+                {}, {}, replica_s=replica_s, error=f"{type(e).__name__}: {e}"[:500]
+            )
+        sender_s = time.monotonic() - t0
+        return ChecksumEvidence.compare(expected, actual, sender_s=sender_s, replica_s=replica_s)
 
     async def _judge_failure(self, h: ReplicaHandle, name: str, why: str, *, refused: bool) -> None:
         """After a failed load or validation: raise :class:`_Refused` if the replica provably

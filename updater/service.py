@@ -111,7 +111,7 @@ class Updater:
         #: A pool whose generations are LoRA adapters (``generations: lora``): its updates,
         #: retiring and recovery (:mod:`updater.lora`); None for full-weight generations.
         self.lora = (
-            LoraRollout(self.runner, self.replicas, max_staleness=settings.max_staleness)
+            LoraRollout(self.runner, self.replicas, settings.max_staleness, settings.lora_checksums)
             if settings.generations == "lora"
             else None
         )

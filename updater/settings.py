@@ -100,6 +100,11 @@ class UpdaterSettings(BaseSettings):
     max_lora_rank: int = Field(default=16, ge=1)
     #: ``lora``: how often adapters nothing holds any more are looked for and unloaded (s).
     retire_interval_s: float = Field(default=1.0, gt=0)
+    #: ``lora``: beside the probe, compare the factors the replica's workers hold with the
+    #: adapter directory's (:mod:`pool.adapter_sums`); an adapter that differs is unloaded and
+    #: not admitted. The replicas must run RolloutPool's worker extension
+    #: (``--worker-extension-cls pool.replica_extension.WeightExtension``).
+    lora_checksums: bool = False
 
     @model_validator(mode="after")
     def _first_wave_fits(self) -> UpdaterSettings:

@@ -23,7 +23,10 @@ Measured:
   same until a poller in this process (every 10 ms) saw it, which adds this process's delay
   (it also runs the updater and the load generator);
 * ``update_phases``: per push, each replica's seconds per phase (``wait`` for its lock,
-  ``load``, ``validate``, ``admit``); ``submit_s_each``: per push, the submit call itself;
+  ``load``, ``validate``, ``checksums`` (the loaded factors against the directory's, through
+  the worker extension: ``lora_checksums``; beside the probe, so inside ``validate``),
+  ``admit``); ``submit_s_each``: per push, the
+  submit call itself;
 * ``throughput_through_updates_over_steady``: completed rollouts/s in the update phases over
   the steady phases (each round has one of each, equally long; ``rounds`` alternate them, and
   ``throughput_over_steady_by_round`` has each round's ratio);
@@ -382,6 +385,8 @@ def _replicas(workdir: Path, base: Path, p: Params) -> list[ReplicaConfig]:
                 max_loras=p.max_staleness + 3 if p.mode == "lora" else None,
                 max_lora_rank=8,
                 startup_timeout_s=240.0,
+                # the updater compares each loaded adapter's factors through it
+                extra_args=("--worker-extension-cls", "pool.replica_extension.WeightExtension"),
             ),
         )
         for i in range(2)
@@ -404,6 +409,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         replicas=_replicas(workdir, base, p),
         generations="lora" if p.mode == "lora" else "weights",
         max_lora_rank=8,
+        lora_checksums=p.mode == "lora",
         max_staleness=p.max_staleness,
         health_interval_s=0.5,
         retire_interval_s=0.5,

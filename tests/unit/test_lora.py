@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from pool.adapter_sums import NotComparable, expected_adapter_checksums
 from pool.adapters import adapter_name, read_adapter, served_model
 from pool.checkpoint import read_manifest
+from pool.checksum import Checksum, tensor_checksums, to_json
 from pool.engine import Capabilities, VllmEngine
 from pool.errors import (
     IllegalTransition,
@@ -228,9 +231,15 @@ class FakeLoraServer:
     """A vLLM 0.32 server with LoRA: holds adapters by name; each answers its marker."""
 
     def __init__(
-        self, load_status: int = 200, listed_after_failure: bool = False, broken: bool = False
+        self,
+        load_status: int = 200,
+        listed_after_failure: bool = False,
+        broken: bool = False,
+        corrupt: bool = False,
     ) -> None:
         self.adapters: dict[str, str] = {}
+        self.ids: dict[str, int] = {}  # vLLM's adapter ids, in load order
+        self.corrupt = corrupt  # the worker extension reports a factor unlike the directory's
         self.calls: list[str] = []
         self.metrics_queries: list[str] = []
         self.load_status = load_status
@@ -243,6 +252,15 @@ class FakeLoraServer:
         self.engine = VllmEngine(
             "http://vllm.test", timeout=30.0, transport=httpx.MockTransport(self.serve)
         )
+
+    def factors(self, path: str) -> dict[str, Checksum]:
+        """What the worker extension reports for the adapter loaded from ``path``: its factors
+        as loaded (float32), one of them changed when ``corrupt``."""
+        sums = expected_adapter_checksums(Path(path), "float32")
+        if self.corrupt:
+            name, c = next(iter(sums.items()))
+            sums[name] = replace(c, plain=c.plain + 1)
+        return sums
 
     @staticmethod
     def marker(model: str) -> int:
@@ -272,6 +290,7 @@ class FakeLoraServer:
                     self.adapters[body["lora_name"]] = body["lora_path"]
                 return httpx.Response(self.load_status, json={"error": {"message": "no"}})
             self.adapters[body["lora_name"]] = body["lora_path"]
+            self.ids[body["lora_name"]] = len(self.ids) + 1
             return httpx.Response(200, text="Success")
         if path == "/v1/unload_lora_adapter":
             if self.adapters.pop(body["lora_name"], None) is None:
@@ -283,6 +302,9 @@ class FakeLoraServer:
                 return httpx.Response(404, json={"error": {"message": "no such model"}})
             ids = [self.marker(model) + int(self.broken and self.failed)] * body["max_tokens"]
             return httpx.Response(200, json={"model": model, "choices": [{"token_ids": ids}]})
+        if path == "/collective_rpc" and body["method"] == "rolloutpool_lora_checksums":
+            held = {str(self.ids[n]): to_json(self.factors(p)) for n, p in self.adapters.items()}
+            return httpx.Response(200, json={"results": [{"adapters": held, "elapsed_s": 0.0}]})
         if path == "/metrics":
             self.metrics_queries.append(str(request.url.params))
             return httpx.Response(200, text="process_start_time_seconds 1.7e9\n")
@@ -302,7 +324,7 @@ def gen_record(gen: Generation) -> GenerationRecord:
 
 
 async def lora_pool(
-    store: RedisStore, servers: dict[str, FakeLoraServer]
+    store: RedisStore, servers: dict[str, FakeLoraServer], *, checksums: bool = False
 ) -> tuple[LoraRollout, dict[str, ManagedReplica]]:
     lease = store.updater_lease("test")
     token = await lease.acquire()
@@ -325,10 +347,12 @@ async def lora_pool(
             rid, server.engine, MANIFEST, Lifecycle(S.READY, G0, gen_record(G0).identity.digest)
         )
         replicas[rid] = ManagedReplica(ReplicaConfig(id=rid, model=BASE, url="http://x"), handle)
-    return LoraRollout(runner, replicas, max_staleness=0), replicas
+    return LoraRollout(runner, replicas, max_staleness=0, checksums=checksums), replicas
 
 
-async def roll(lora: LoraRollout, store: RedisStore, gen: Generation) -> UpdateRecord:
+async def roll(
+    lora: LoraRollout, store: RedisStore, gen: Generation, checkpoint: Path | None = None
+) -> UpdateRecord:
     rec = UpdateRecord(
         id=f"up-{gen.number}",
         state=UpdateState.RUNNING,
@@ -338,8 +362,11 @@ async def roll(lora: LoraRollout, store: RedisStore, gen: Generation) -> UpdateR
         identity_digest="",
         created_ms=0,
     )
-    await store.declare_generation(gen_record(gen), lora.runner.lease.require())
-    await lora.roll(rec, gen_record(gen))
+    gen_rec = gen_record(gen)
+    if checkpoint is not None:
+        gen_rec = gen_rec.model_copy(update={"checkpoint": str(checkpoint)})
+    await store.declare_generation(gen_rec, lora.runner.lease.require())
+    await lora.roll(rec, gen_rec)
     return rec
 
 
@@ -493,3 +520,57 @@ async def test_the_base_generations_record_outlives_pruning(store: RedisStore) -
     with pytest.raises(NotFound):
         await store.generation_record(1)
     assert (await store.generation_record(keep + 2)).generation.number == keep + 2
+
+
+async def test_an_adapter_whose_loaded_factors_differ_from_its_directory_is_refused(
+    store: RedisStore, tmp_path: Path
+) -> None:
+    servers = {"r0": FakeLoraServer(), "r1": FakeLoraServer(corrupt=True)}
+    lora, replicas = await lora_pool(store, servers, checksums=True)
+    rec = await roll(lora, store, G1, write_adapter(tmp_path / "g1", lora_alpha=16))
+    assert rec.replicas["r0"].outcome is ReplicaOutcome.READY, rec.replicas["r0"]
+    refused = rec.replicas["r1"]
+    assert refused.outcome is ReplicaOutcome.REFUSED and "checksums" in refused.reason, refused
+    r1 = await store.replica("r1")
+    assert (r1.state, r1.generation) == (S.READY, 0)  # g0 serves on; not admitting g1
+    assert servers["r1"].adapters == {}  # the adapter that differs was unloaded
+    # the evidence r0 was admitted on compared every factor of both layers
+    assert "/collective_rpc" in servers["r0"].calls
+    assert replicas["r0"].handle.lc.generation == G1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_expected_checksums_are_the_factors_as_vllm_holds_them(dtype: str, tmp_path: Path) -> None:
+    """vLLM casts each factor to the served dtype and multiplies ``lora_B`` by ``lora_alpha / r``
+    in place (``LoRALayerWeights.optimize``): the same torch operations give the same sums."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((8, 128), dtype=np.float32)
+    b = rng.standard_normal((128, 8), dtype=np.float32)
+    path = tmp_path / "ad"
+    path.mkdir()
+    save_file(
+        {O_PROJ.format(0, "A"): a, O_PROJ.format(0, "B"): b},
+        str(path / "adapter_model.safetensors"),
+    )
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 12}))
+    held_b = torch.from_numpy(b).to(getattr(torch, dtype))
+    held_b *= 12 / 8
+    held = tensor_checksums(
+        [
+            (
+                "model.layers.0.self_attn.o_proj.lora_A",
+                torch.from_numpy(a).to(getattr(torch, dtype)),
+            ),
+            ("model.layers.0.self_attn.o_proj.lora_B", held_b),
+        ]
+    )
+    assert expected_adapter_checksums(path, dtype) == held
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8}))
+    assert expected_adapter_checksums(path, dtype) != held  # the scaling counts
+
+
+def test_an_adapter_scaled_per_module_is_not_comparable(tmp_path: Path) -> None:
+    path = write_adapter(tmp_path / "ad", alpha_pattern={"o_proj": 4})
+    with pytest.raises(NotComparable, match="pattern"):
+        expected_adapter_checksums(path, "float32")
