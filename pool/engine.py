@@ -52,9 +52,7 @@ from pool.engine_values import (
     AbortResult,
     Capabilities,
     EngineMetrics,
-    GenerateResult,
     RpcResult,
-    WeightVersionSpan,
     WorldSize,
     parse_version,
 )
@@ -65,11 +63,9 @@ __all__ = [
     "AbortResult",
     "Capabilities",
     "EngineMetrics",
-    "GenerateResult",
     "PauseMode",
     "RpcResult",
     "VllmEngine",
-    "WeightVersionSpan",
     "WorldSize",
     "parse_version",
 ]
@@ -541,47 +537,3 @@ class VllmEngine:
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise self._unexpected(r, "no choices[0].token_ids", mutating=False)
         return tuple(ids)
-
-    async def generate_tokens(
-        self,
-        token_ids: Sequence[int],
-        sampling_params: Mapping[str, Any],
-        *,
-        cache_salt: str | None = None,
-        timeout_s: float | None = None,
-    ) -> GenerateResult:
-        """``POST /inference/v1/generate`` (needs ``--enable-scale-out``): tokens in, tokens out.
-
-        From 0.32 each choice carries ``weight_versions`` spans. Read-only for the error table.
-        """
-        body: dict[str, Any] = {
-            "token_ids": list(token_ids),
-            "sampling_params": dict(sampling_params),
-        }
-        if self.model_id is not None:
-            body["model"] = self.model_id
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        r = await self._call(
-            "POST", "/inference/v1/generate", mutating=False, timeout_s=timeout_s, json=body
-        )
-        try:
-            choice = self._body(r, mutating=False)["choices"][0]
-            ids = choice["token_ids"]
-            spans_raw = choice.get("weight_versions")
-            spans = (
-                None
-                if spans_raw is None
-                else tuple(
-                    WeightVersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
-                    for s in spans_raw
-                )
-            )
-            result = GenerateResult(
-                token_ids=tuple(int(t) for t in ids),
-                finish_reason=choice.get("finish_reason"),
-                weight_versions=spans,
-            )
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            raise self._unexpected(r, f"unexpected generate body ({e})", mutating=False) from e
-        return result

@@ -17,9 +17,7 @@ __all__ = [
     "AbortResult",
     "Capabilities",
     "EngineMetrics",
-    "GenerateResult",
     "RpcResult",
-    "WeightVersionSpan",
     "WorldSize",
     "parse_version",
 ]
@@ -138,21 +136,3 @@ class RpcResult:
     method: str
     results: tuple[Any, ...]
     elapsed_s: float
-
-
-@dataclass(frozen=True)
-class WeightVersionSpan:
-    """Output tokens ``[start, end)`` were sampled while the engine's label was ``version``."""
-
-    version: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """One choice of ``/inference/v1/generate``. ``weight_versions`` is None if not reported."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    weight_versions: tuple[WeightVersionSpan, ...] | None

@@ -9,6 +9,9 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from pool.store import RedisStore
 from pool.types import Generation, ReplicaState
@@ -129,3 +132,18 @@ def run_python(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+async def generate_tokens(
+    url: str, model: str | None, token_ids: list[int], sampling_params: dict[str, object]
+) -> dict[str, Any]:
+    """``POST /inference/v1/generate`` (vLLM with ``--enable-scale-out``): the one choice, with
+    its ``token_ids`` and, from 0.32, its ``weight_versions`` spans."""
+    body: dict[str, object] = {"token_ids": token_ids, "sampling_params": sampling_params}
+    if model is not None:
+        body["model"] = model
+    async with httpx.AsyncClient(base_url=url, timeout=60.0) as c:
+        r = await c.post("/inference/v1/generate", json=body)
+    r.raise_for_status()
+    [choice] = r.json()["choices"]
+    return dict(choice)

@@ -20,6 +20,7 @@ from pool.errors import AmbiguousMutation, NoMutation, PreflightFailed
 from pool.launcher import LaunchError, LocalReplica, ReplicaSpec
 from pool.procgroup import group_stats
 from pool.types import Manifest, WeightIdentity
+from tests.helpers import generate_tokens
 from tests.integration.conftest import TinyModels
 from updater.transports import ReloadTransport, WeightsTarget
 
@@ -153,10 +154,12 @@ async def test_label_round_trip_and_token_spans(engine_a: VllmEngine) -> None:
         set_ev = await engine_a.set_label("itest-g7")
         assert (set_ev.supported, set_ev.label) == (True, "itest-g7")
         assert (await engine_a.weight_label()).label == "itest-g7"
-        out = await engine_a.generate_tokens(PROBE, {"max_tokens": 4, "temperature": 0.0})
-        assert len(out.token_ids) == 4
-        assert out.weight_versions is not None
-        assert [(s.version, s.start, s.end) for s in out.weight_versions] == [("itest-g7", 0, 4)]
+        out = await generate_tokens(
+            engine_a.url, engine_a.model_id, PROBE, {"max_tokens": 4, "temperature": 0.0}
+        )
+        assert len(out["token_ids"]) == 4
+        spans = [(s["version"], s["start"], s["end"]) for s in out["weight_versions"]]
+        assert spans == [("itest-g7", 0, 4)]
     finally:
         await engine_a.set_label(original.label or "default")
 

@@ -150,14 +150,14 @@ async def test_a_lost_admit_gets_its_request_cut_before_any_transfer(
     gate = EpochGate(store, poll_s=0.02)
     with pytest.raises(TimeoutError):  # no transfer may start: the router has not verified
         await asyncio.wait_for(gate.settled(), 0.5)
-    for _ in range(100):  # the router sees the new epoch: once settled, verifies, cuts, reports
+    for _ in range(600):  # the router sees the new epoch: once settled, verifies, cuts, reports
         await guard.tick()
         if bindings.epoch != epoch0:
             break
         await asyncio.sleep(0.1)
     with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, 1)
-    epoch = await asyncio.wait_for(gate.settled(), 2)
+        await asyncio.wait_for(task, 30)  # bounds, not timings: on a loaded machine too
+    epoch = await asyncio.wait_for(gate.settled(), 30)
     assert epoch.number > epoch0 and bindings.epoch == epoch.number
     b = await store.binding("ro-lost")
     assert b.state is BindingState.ABORTED and "lost in a Redis failover" in b.reason
@@ -242,7 +242,7 @@ async def test_a_rollout_whose_admission_and_end_a_failover_lost_gets_its_record
     await lose(group, store, rollout)
     with pytest.raises(NotFound):
         await store.binding("ro-done")  # the hole: a delivered rollout without a record
-    for _ in range(100):
+    for _ in range(600):
         await guard.tick()
         if bindings.epoch != epoch0:
             break
@@ -359,13 +359,13 @@ async def test_a_grant_lost_in_a_failover_gets_its_requests_cut_before_any_trans
     gate = EpochGate(store, poll_s=0.02)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(gate.settled(), 0.5)
-    for _ in range(100):
+    for _ in range(600):  # bounds, not timings: a loaded machine fails over slowly
         await guard.tick()
         if bindings.epoch != epoch0:
             break
         await asyncio.sleep(0.1)
     with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, 1)
+        await asyncio.wait_for(task, 30)
     assert "r0" not in book.grants and lg.aborted is not None and "lost" in lg.aborted
-    epoch = await asyncio.wait_for(gate.settled(), 2)
+    epoch = await asyncio.wait_for(gate.settled(), 30)
     assert epoch.number > epoch0 and guard.cut == 1

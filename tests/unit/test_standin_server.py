@@ -25,6 +25,7 @@ from pool.errors import AmbiguousMutation
 from pool.types import WeightIdentity
 from rolloutpool.local.models import ensure_model, marker_token
 from testkit.standin import Faults, ReplicaConfig, StandinFleet, TimeModel, expected_tokens
+from tests.helpers import generate_tokens
 from updater.transports import ReloadTransport, WeightsTarget
 
 PROMPT = [0, *range(300, 316)]
@@ -241,8 +242,11 @@ async def test_reload_cycle_with_the_pool_clients_and_probe(
         assert (await engine.resume()).proves_resumed
         probe = expected_tokens(model_b, PROMPT, 8)
         assert await engine.complete(PROMPT, 8, cache_salt="g1") == probe
-        out = await engine.generate_tokens(PROMPT, {"max_tokens": 8, "temperature": 0})
-        assert out.token_ids == probe and [s.version for s in out.weight_versions or ()] == ["g1"]
+        out = await generate_tokens(
+            rep.url, engine.model_id, PROMPT, {"max_tokens": 8, "temperature": 0}
+        )
+        assert tuple(out["token_ids"]) == probe
+        assert [s["version"] for s in out["weight_versions"]] == ["g1"]
 
 
 def test_cli_serves_n_replicas_until_terminated(tmp_path: Path, model_a: Path) -> None:
