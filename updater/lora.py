@@ -200,7 +200,8 @@ class LoraRollout:
         )
         report.phases["validate"] = time.monotonic() - t0
         if sums is not None:
-            report.phases["checksums"] = sums.replica_s + sums.sender_s
+            report.phases["checksums"] = sums.replica_s
+            report.phases["checksums_expected"] = sums.sender_s
         ev = AdapterEvidence(
             generation=gen.generation,
             identity_digest=gen.identity.digest,

@@ -23,10 +23,10 @@ Measured:
   same until a poller in this process (every 10 ms) saw it, which adds this process's delay
   (it also runs the updater and the load generator);
 * ``update_phases``: per push, each replica's seconds per phase (``wait`` for its lock,
-  ``load``, ``validate``, ``checksums`` (the loaded factors against the directory's, through
-  the worker extension: ``lora_checksums``; beside the probe, so inside ``validate``),
-  ``admit``); ``submit_s_each``: per push, the
-  submit call itself;
+  ``load``, ``validate``, ``admit``; with ``lora_checksums``, beside the probe and so inside
+  ``validate``: ``checksums``, the workers' answer, and ``checksums_expected``, the
+  directory's computed here); ``submit_s_each``: per push, the submit call itself;
+  ``checksums_each``: per push, whether ``lora_checksums`` was on (:attr:`Params.checksums`);
 * ``throughput_through_updates_over_steady``: completed rollouts/s in the update phases over
   the steady phases (each round has one of each, equally long; ``rounds`` alternate them, and
   ``throughput_over_steady_by_round`` has each round's ratio);
@@ -95,6 +95,9 @@ class Params:
     #: ``lora``: after the updates, SIGKILL r1; it must come back on the latest generation
     #: (a fresh process on the base, then the live adapters).
     restart: bool = True
+    #: ``lora``: the measured pushes alternate without and with ``lora_checksums`` (the first
+    #: without), so that its cost is measured beside the default's in one run; False: never.
+    checksums: bool = True
 
 
 @dataclass
@@ -409,7 +412,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         replicas=_replicas(workdir, base, p),
         generations="lora" if p.mode == "lora" else "weights",
         max_lora_rank=8,
-        lora_checksums=p.mode == "lora",
+        lora_checksums=p.mode == "lora" and p.checksums,
         max_staleness=p.max_staleness,
         health_interval_s=0.5,
         retire_interval_s=0.5,
@@ -447,7 +450,10 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
             t_updates = time.monotonic()
             for i in range(1, p.updates // p.rounds + 1):
                 g = next(generations)
+                if up.lora is not None:
+                    up.lora.checksums = p.checksums and len(updates) % 2 == 1
                 updates.append(await push(up, store, checkpoint(p, g), g))
+                updates[-1]["checksums"] = up.lora is not None and up.lora.checksums
                 await asyncio.sleep(max(t_updates + i * p.gap_s - time.monotonic(), 0.0))
             steady_w.append((t_steady, t_updates))
             update_w.append((t_updates, time.monotonic()))
@@ -462,7 +468,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
         steady, through = run.rate_over(steady_w), run.rate_over(update_w)
         rounds = [(run.rate(*q), run.rate(*u)) for q, u in zip(steady_w, update_w, strict=True)]
         by_round = [round(u / q, 3) if q else None for q, u in rounds]
-        admitting = [u["all_admitting_s"] for u in updates if u["all_admitting_s"] is not None]
+        admitting = [u["all_admitting_s"] for u in updates]  # None: never seen admitting
         observed = [
             u["observed_all_admitting_s"]
             for u in updates
@@ -488,7 +494,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
                 round(through / steady, 3) if steady else None
             ),
             "throughput_over_steady_by_round": by_round,
-            "push_to_all_admitting_s": max(admitting) if admitting else None,
+            "push_to_all_admitting_s": max((a for a in admitting if a is not None), default=None),
             "push_to_all_admitting_s_each": admitting,
             "observed_push_to_all_admitting_s": max(observed, default=None),
             "observed_push_to_all_admitting_s_each": observed,
@@ -497,6 +503,7 @@ async def scenario(p: Params, workdir: Path) -> dict[str, Any]:
                 {rid: r["phases"] for rid, r in u["replicas"].items()} for u in updates
             ],
             "submit_s_each": [u["submit_s"] for u in updates],
+            "checksums_each": [u["checksums"] for u in updates],
             **result,
             "client_errors": run.errors,
             "wall_s": round(time.monotonic() - t_start, 1),
