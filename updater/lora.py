@@ -54,10 +54,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pool.adapter_sums import expected_adapter_checksums
 from pool.adapters import adapter_name, served_model
-from pool.checksum import from_json
+from pool.checksum import Checksum, from_json
 from pool.engine_adapters import load_adapter, probe_adapter, served_adapters, unload_adapter
 from pool.errors import EngineError, NoMutation, NotFound, RolloutPoolError
 from pool.evidence import AdapterEvidence, ChecksumEvidence
@@ -73,6 +74,11 @@ __all__ = ["LoraRollout"]
 log = logging.getLogger(__name__)
 S = ReplicaState
 _ADAPTER = re.compile(r"^rp-(\d+)-")
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass
@@ -100,6 +106,10 @@ class LoraRollout:
         #: compare the factors the workers hold with the directory's (``lora_checksums``)
         self.checksums = checksums
         self._tried: set[tuple[str, int]] = set()  # what reconcile() already attempted
+        self._dtype: str | None = None  # the served dtype the workers reported last
+        #: the directory's checksums by (path, served dtype): computed once per generation,
+        #: started with its update when the dtype is known (off the loads' critical path)
+        self._expected: dict[tuple[str, str], asyncio.Task[dict[str, Checksum]]] = {}
 
     # ------------------------------------------------------------------ the update
 
@@ -115,6 +125,8 @@ class LoraRollout:
             and r.state is S.READY
             and (r.generation or 0) < gen.generation.number
         ]
+        if self.checksums and self._dtype is not None:
+            self._expect(gen.checkpoint, self._dtype)  # while the replicas load
         results = await asyncio.gather(*(self._load_on(m, gen) for m in todo))
         admitted = [x for x in results if x.report.outcome is ReplicaOutcome.READY]
         for x in results:
@@ -242,17 +254,30 @@ class LoraRollout:
             actual = held[max(held)] if held else {}
             if not actual:
                 raise ValueError("the workers hold no adapter factors")
-            dtype = next(iter(actual.values())).dtype
+            self._dtype = next(iter(actual.values())).dtype
             t0 = time.monotonic()
-            expected = await asyncio.to_thread(
-                expected_adapter_checksums, Path(gen.checkpoint), dtype
-            )
+            expected = await asyncio.shield(self._expect(gen.checkpoint, self._dtype))
         except Exception as e:
             return ChecksumEvidence.compare(
                 {}, {}, replica_s=replica_s, error=f"{type(e).__name__}: {e}"[:500]
             )
         sender_s = time.monotonic() - t0
         return ChecksumEvidence.compare(expected, actual, sender_s=sender_s, replica_s=replica_s)
+
+    def _expect(self, path: str, dtype: str) -> asyncio.Task[dict[str, Checksum]]:
+        """The computation of the checksums of the adapter in ``path`` served as ``dtype``
+        (:func:`pool.adapter_sums.expected_adapter_checksums`, in a thread), started once; the
+        last few are kept."""
+        task = self._expected.get((path, dtype))
+        if task is None:
+            task = asyncio.create_task(
+                asyncio.to_thread(expected_adapter_checksums, Path(path), dtype)
+            )
+            self._expected[(path, dtype)] = task
+            task.add_done_callback(_retrieved)  # its error is the evidence's, if anyone awaits
+            while len(self._expected) > 4:
+                del self._expected[next(iter(self._expected))]
+        return task
 
     async def _judge_failure(self, h: ReplicaHandle, name: str, why: str, *, refused: bool) -> None:
         """After a failed load or validation: raise :class:`_Refused` if the replica provably
