@@ -29,18 +29,13 @@ from pool.checkpoint import tensor_bytes
 from pool.checksum import Checksum, words_checksum
 from pool.errors import RolloutPoolError
 
-__all__ = ["NotComparable", "expected_adapter_checksums", "factor_name"]
+__all__ = ["NotComparable", "expected_adapter_checksums"]
 
 _FLOATS = frozenset({"float32", "float16", "bfloat16"})
 
 
 class NotComparable(RolloutPoolError, code="not_comparable"):
     """The adapter's loaded checksums cannot be predicted from its directory."""
-
-
-def factor_name(module: str, ab: str) -> str:
-    """The checksum name of factor ``ab`` ("A" or "B") of ``module``."""
-    return f"{module}.lora_{ab}"
 
 
 def _np() -> Any:
@@ -97,5 +92,5 @@ def expected_adapter_checksums(path: Path, dtype: str) -> dict[str, Checksum]:
             scaled = _as_float32(np, served.tobytes(), dtype) * np.float32(scaling)
             served = _round(np, scaled, dtype)
         plain, weighted = words_checksum(served.tobytes(), 2)
-        out[factor_name(m["module"], m["ab"])] = Checksum(dtype, spec.shape, plain, weighted)
+        out[f"{m['module']}.lora_{m['ab']}"] = Checksum(dtype, spec.shape, plain, weighted)
     return out
