@@ -221,3 +221,26 @@ async def test_stop_ends_the_supervisor_when_a_cancelled_read_says_unreachable(
     if not task.done():  # the bug: leave nothing running behind the test
         sup.watch.versioned = lambda: asyncio.sleep(3600)  # type: ignore[method-assign, assignment, return-value]
     assert task.cancelled(), "the supervisor swallowed its cancellation"
+
+
+async def test_stop_ends_the_supervisor_wherever_in_its_round_the_cancellation_lands(
+    store: RedisStore,
+) -> None:
+    """The other face of the same hang: on Python 3.11 a Redis read cancelled as redis-py's
+    write completed returned normally (``asyncio.wait_for``), the supervisor's loop ran on, and
+    Updater.stop() waited on it forever. Against real Redis, its rounds back to back, cancelled
+    200 times at varying points: it ends every time."""
+    sup, _ = await tainted_replica(store, RecordingProvider(can_restart=False))
+    sup.settings = sup.settings.model_copy(update={"health_interval_s": 0.0001})
+    ran_on = []
+    for attempt in range(200):
+        task = asyncio.create_task(sup.run())
+        for _ in range(attempt % 50):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait({task}, timeout=10)
+        if not task.cancelled():
+            ran_on.append(attempt)
+            sup.watch.versioned = lambda: asyncio.sleep(3600)  # type: ignore[method-assign, assignment, return-value]
+            task.cancel()  # the bug: leave nothing running behind the test
+    assert ran_on == [], f"the supervisor ran on after cancellations {ran_on}"
