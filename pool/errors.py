@@ -129,12 +129,15 @@ class PreflightFailed(RolloutPoolError, code="preflight_failed"):
     """A checkpoint was refused before any mutation (missing path, manifest or identity)."""
 
 
-def raise_if_cancelling(err: BaseException) -> None:
-    """Re-raise the current task's pending cancellation in place of ``err``.
+def raise_if_cancelling(err: BaseException | None, since: int = 0) -> None:
+    """Re-raise the current task's pending cancellation in place of ``err`` (None: of a call
+    that returned normally), if it has more than ``since`` pending cancellations (its
+    ``cancelling()`` counted before the call: one delivered and caught earlier does not count).
 
     A Redis call cut by its task's cancellation can report a lost connection instead (redis-py
-    closes the connection on the way out). A loop that waits out outages must call this first:
-    otherwise it swallows the cancellation and never ends."""
+    closes the connection on the way out), or even return normally (on Python 3.11 its write
+    goes through ``asyncio.wait_for``: CPython gh-86296). A loop that waits out outages must
+    call this first: otherwise it swallows the cancellation and never ends."""
     task = asyncio.current_task()
-    if task is not None and task.cancelling():
+    if task is not None and task.cancelling() > since:
         raise asyncio.CancelledError() from err

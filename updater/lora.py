@@ -68,6 +68,7 @@ from updater.cycle import CycleRunner
 from updater.handle import ReplicaHandle
 from updater.records import now_ms
 from updater.replicas import ManagedReplica, bring_up
+from updater.validation import worker_result
 
 __all__ = ["LoraRollout"]
 
@@ -244,13 +245,11 @@ class LoraRollout:
         t0 = time.monotonic()
         replica_s = 0.0
         try:
-            rpc = await h.engine.collective_rpc(
-                "rolloutpool_lora_checksums", timeout_s=self.runner.deadlines.validate_s
+            result = await worker_result(
+                h, "rolloutpool_lora_checksums", self.runner.deadlines.validate_s
             )
             replica_s = time.monotonic() - t0
-            if len(rpc.results) != 1 or not isinstance(rpc.results[0], dict):
-                raise ValueError(f"one result per worker expected, got {rpc.results!r:.200}")
-            held = {int(i): from_json(s) for i, s in rpc.results[0]["adapters"].items()}
+            held = {int(i): from_json(s) for i, s in result["adapters"].items()}
             actual = held[max(held)] if held else {}
             if not actual:
                 raise ValueError("the workers hold no adapter factors")

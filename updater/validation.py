@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from pool.checksum import from_json as checksums_from_json
 from pool.evidence import ChecksumEvidence, LabelEvidence, TransferEvidence, ValidationEvidence
@@ -21,6 +22,16 @@ from updater.handle import Probe, ReplicaHandle
 #: Produces the ValidationEvidence of a replica that already holds the new weights and has its
 #: caches reset; admissions stay closed.
 Validator = Callable[[ReplicaHandle, Generation, Probe], Awaitable[ValidationEvidence]]
+
+
+async def worker_result(h: ReplicaHandle, method: str, timeout_s: float) -> dict[str, Any]:
+    """The worker extension's ``method`` (:mod:`pool.replica_extension`) run on ``h``'s one
+    worker: its result. Raises ``ValueError`` for any other answer, and what the call raises
+    (no extension loaded: the engine's error)."""
+    rpc = await h.engine.collective_rpc(method, timeout_s=timeout_s)
+    if len(rpc.results) != 1 or not isinstance(rpc.results[0], dict):
+        raise ValueError(f"one result per worker expected, got {rpc.results!r:.200}")
+    return rpc.results[0]
 
 
 async def verify_checksums(
@@ -38,10 +49,8 @@ async def verify_checksums(
         )
     t0 = time.monotonic()
     try:
-        rpc = await h.engine.collective_rpc("rolloutpool_checksums", timeout_s=timeout_s)
-        if len(rpc.results) != 1 or not isinstance(rpc.results[0], dict):
-            raise ValueError(f"one result per worker expected, got {rpc.results!r:.200}")
-        actual = checksums_from_json(rpc.results[0].get("checksums"))
+        result = await worker_result(h, "rolloutpool_checksums", timeout_s)
+        actual = checksums_from_json(result.get("checksums"))
     except Exception as e:
         return ChecksumEvidence.compare(
             expected,

@@ -26,7 +26,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import LockError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pool.errors import NotReplicated, StoreBusy, StoreError, StoreUnavailable
+from pool.errors import (
+    NotReplicated,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+    raise_if_cancelling,
+)
 from pool.settings import StoreSettings
 from pool.store import scripts
 from pool.store.batch import ScriptBatcher
@@ -38,15 +44,6 @@ _POOL_EXHAUSTED = "No connection available."
 #: Matched as words anywhere in the message: pipelines wrap the reply, e.g. ``Command # 1
 #: (...) of pipeline caused error: ('NOREPLICAS Not enough good replicas to write.',)``.
 _TRANSIENT = re.compile(r"\b(NOREPLICAS|READONLY|LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN)\b")
-
-
-def _raise_if_cancelled_since(
-    task: asyncio.Task[Any] | None, before: int, err: BaseException | None
-) -> None:
-    """Raise ``CancelledError`` if ``task`` was asked to cancel since it counted ``before``
-    pending cancellations (one that was delivered and caught earlier does not count)."""
-    if task is not None and task.cancelling() > before:
-        raise asyncio.CancelledError() from err
 
 
 def ms(seconds: float) -> int:
@@ -109,12 +106,12 @@ class StoreClient:
         try:
             out = await fn()
         except LockError as e:  # the lease's own protocol errors; UpdaterLease translates them
-            _raise_if_cancelled_since(task, before, e)
+            raise_if_cancelling(e, since=before)
             raise
         except (RedisError, OSError) as e:
-            _raise_if_cancelled_since(task, before, e)
+            raise_if_cancelling(e, since=before)
             raise self._translate(e) from e
-        _raise_if_cancelled_since(task, before, None)
+        raise_if_cancelling(None, since=before)
         return out
 
     def _translate(self, e: Exception) -> Exception:
